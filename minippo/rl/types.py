@@ -1,0 +1,59 @@
+"""Typed containers passed between the steps of a training step.
+
+Layout convention (the same everywhere in minippo): a batch of B sequences is stored as
+``input_ids [B, P + R]`` where the prompt part ``[:, :P]`` is LEFT-padded and the response part
+``[:, P:]`` is RIGHT-padded. Every per-token RL tensor (logprobs, values, advantages, versions,
+masks) is response-aligned, shape ``[B, R]``: column j refers to the response token
+``input_ids[:, P + j]``, whose logprob comes from the logits at position ``P + j - 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """Rollouts of one training step, as the rollout queue hands them to the trainer.
+
+    Fields (B sequences, P padded prompt length, R padded response length):
+        input_ids:        int64 [B, P + R]  left-padded prompt | right-padded response
+        attention_mask:   bool  [B, P + R]  True on real (non-pad) tokens
+        position_ids:     int64 [B, P + R]  0-based positions of real tokens (pads: 0)
+        response_mask:    float32 [B, R]    1.0 on generated tokens, 0.0 on padding
+        rollout_logprobs: float32 [B, R]    μ: the engine's logprob of each sampled token
+                                            (log_softmax(logits / T) over the full vocab); 0 on pads
+        versions:         int64 [B, R]      weight version that sampled each token; -1 on pads
+        rewards:          float32 [B]       scalar reward of each sequence
+        group_ids:        int64 [B]         index of the prompt a sample came from (GRPO groups)
+        truncated:        bool  [B]         True when the response was cut by max_new_tokens
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    versions: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    truncated: torch.Tensor
+
+    @property
+    def prompt_len(self) -> int:
+        """P, the padded prompt length."""
+        return self.input_ids.shape[1] - self.response_mask.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """The same batch with every tensor on ``device``."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def select(self, rows: torch.Tensor | slice) -> RolloutBatch:
+        """The sub-batch of the given rows (a minibatch), every field indexed alike."""
+        return replace(self, **{f.name: getattr(self, f.name)[rows] for f in fields(self)})

@@ -1,0 +1,23 @@
+"""Rollout engines: the protocol every backend implements, and the embedded TorchEngine."""
+
+from minippo.engine.protocol import (
+    FINISH_REASONS,
+    Completion,
+    FinishReason,
+    GenerateRequest,
+    RolloutEngine,
+    SamplingParams,
+    WeightBucket,
+    validate_requests,
+)
+
+__all__ = [
+    "FINISH_REASONS",
+    "Completion",
+    "FinishReason",
+    "GenerateRequest",
+    "RolloutEngine",
+    "SamplingParams",
+    "WeightBucket",
+    "validate_requests",
+]

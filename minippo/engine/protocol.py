@@ -1,0 +1,245 @@
+"""The rollout-engine protocol: what the trainer asks of any generator.
+
+Two backends implement it: :class:`minippo.engine.TorchEngine` (pure PyTorch, CPU or one GPU, the
+embedded default) and ``SGLangEngine`` (GPU). The rollout queue and the recipe only ever talk to this
+protocol, and ``tests/engine_suite.py`` runs the same protocol checks against every backend.
+
+Weight versions. The engine holds one integer ``version`` (0 for the weights it was built with,
+unless the constructor says otherwise). ``publish_weights(buckets, version)`` loads new weights and
+sets ``version``; every token sampled after the new weights are in place is stamped with that
+version. Each generated token carries the version of the weights that computed its logits, so a
+response that was paused, re-weighted and resumed (a partial rollout) carries several versions.
+
+Logprobs. The logprob of a sampled token is ``log_softmax(logits / T)`` over the FULL vocabulary at
+the request's temperature ``T`` (never renormalised for top-k / top-p). For greedy decoding
+(``T == 0``) it is ``log_softmax(logits)`` (T = 1). This is what SGLang returns too, so the trainer
+recomputes exactly the same quantity: ``minippo.models.token_logprobs(..., temperature=T)``.
+
+Concurrency contract (both backends):
+    * ``generate`` blocks until all its requests finish (or are aborted); it may be called from a
+      background thread while another thread calls ``publish_weights`` / ``pause`` / ``resume`` /
+      ``abort``. Several concurrent ``generate`` calls are allowed.
+    * ``pause()`` returns once no forward pass is running; in-flight requests keep their tokens
+      and their KV state. While paused, no token is produced (new ``generate`` calls wait).
+    * ``publish_weights`` while paused applies the weights at once; ``resume()`` then continues the
+      in-flight requests under the new weights. Without a pause, the weights take effect at a
+      backend-defined point (TorchEngine: between two decode steps; SGLang: after the running
+      requests finish). Either way, every token's version is exact.
+    * ``abort()`` stops every in-flight request and returns their partial completions with
+      ``finish_reason == "abort"``; the blocked ``generate`` calls return the same partial
+      completions.
+    * ``sleep()`` / ``wake()`` release and restore accelerator memory (no-ops on CPU). ``sleep``
+      requires an idle engine (no in-flight requests).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+# One bucket of weights: (HF parameter name, full tensor) pairs.
+WeightBucket = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one response.
+
+    Fields:
+        temperature:    T >= 0. 0 means greedy (argmax); logits are divided by T otherwise.
+        top_p:          nucleus sampling mass in (0, 1]; 1.0 = off.
+        top_k:          keep the k most likely tokens; 0 = off.
+        max_new_tokens: the response has at most this many tokens (>= 1).
+        stop_token_ids: generation stops after sampling any of these ids (the stop token is
+                        included in the response, with its logprob and version).
+        seed:           per-request seed; the same request with the same seed and the same
+                        weights gives the same tokens. None = drawn from the engine's generator.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # accept any iterable of ids (a list from a YAML config), store an immutable tuple
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def validate(self) -> SamplingParams:
+        """Raise ValueError naming the bad value and the fix; return self when valid."""
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}; "
+                "use e.g. temperature=1.0"
+            )
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(
+                f"top_p must be in (0, 1], got {self.top_p!r}; use top_p=1.0 to disable nucleus "
+                "sampling"
+            )
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(
+                f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}; use top_k=0 to "
+                "disable it"
+            )
+        m = self.max_new_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {m!r}")
+        if any(tok < 0 for tok in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        return self
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One prompt to complete.
+
+    Fields:
+        prompt_ids: the prompt's token ids (unpadded), at least one.
+        params:     sampling parameters.
+        request_id: unique among the requests in flight; the completion carries it back.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+
+
+@dataclass
+class Completion:
+    """The engine's answer to one request.
+
+    Fields (R = number of generated tokens):
+        request_id:    the request's id.
+        prompt_ids:    the request's prompt ids.
+        token_ids:     R generated token ids (including a final stop token, if one was sampled).
+        logprobs:      R floats, log_softmax(logits / T)[token] over the full vocabulary.
+        versions:      R ints, the weight version that sampled each token.
+        finish_reason: "stop" (a stop id was sampled), "length" (max_new_tokens reached) or
+                       "abort" (stopped by abort(); the tokens so far are kept).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"completion {self.request_id!r}: token_ids ({n}), logprobs "
+                f"({len(self.logprobs)}) and versions ({len(self.versions)}) must have the same "
+                "length"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}"
+            )
+
+    @property
+    def truncated(self) -> bool:
+        """True when the response was cut by max_new_tokens."""
+        return self.finish_reason == "length"
+
+
+def validate_requests(requests: Sequence[GenerateRequest], *, max_seq_len: int | None) -> None:
+    """Check a batch of requests before any work is done; raise ValueError naming the problem.
+
+    Every backend calls this first. ``max_seq_len`` is the engine's context length: a request
+    needs ``len(prompt_ids) + max_new_tokens <= max_seq_len`` (None skips the length check).
+    Request ids must be unique within the call.
+    """
+    seen: set[str] = set()
+    for i, req in enumerate(requests):
+        if not isinstance(req, GenerateRequest):
+            raise TypeError(f"request {i} is a {type(req).__name__}, expected GenerateRequest")
+        if len(req.prompt_ids) == 0:
+            raise ValueError(
+                f"request {i} ({req.request_id!r}) has an empty prompt; every request needs at "
+                "least one prompt token (e.g. a BOS token)"
+            )
+        if any((not isinstance(t, int)) or t < 0 for t in req.prompt_ids):
+            raise ValueError(f"request {i} ({req.request_id!r}): prompt ids must be ints >= 0")
+        try:
+            req.params.validate()
+        except ValueError as e:
+            raise ValueError(f"request {i} ({req.request_id!r}): {e}") from None
+        if max_seq_len is not None:
+            n_prompt, n_new = len(req.prompt_ids), req.params.max_new_tokens
+            if n_prompt + n_new > max_seq_len:
+                raise ValueError(
+                    f"request {i} ({req.request_id!r}): prompt length ({n_prompt}) + "
+                    f"max_new_tokens ({n_new}) = {n_prompt + n_new} exceeds the engine's "
+                    f"context length max_seq_len ({max_seq_len}); shorten the prompt or lower "
+                    f"max_new_tokens to at most {max(max_seq_len - n_prompt, 0)}"
+                )
+        if req.request_id in seen:
+            raise ValueError(f"request id {req.request_id!r} appears twice in one generate call")
+        seen.add(req.request_id)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A generator the trainer can overlap with training. See the module docstring."""
+
+    @property
+    def version(self) -> int:
+        """The weight version that the next sampled token will carry."""
+        ...
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """Complete every request; block until done. Completions are in request order."""
+        ...
+
+    def publish_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Load new weights, given as buckets of (HF name, full tensor); then set ``version``.
+
+        A partial set of parameters is allowed (the others keep their values). The tied lm_head
+        is not sent when embeddings are tied. ``version`` must not decrease.
+        """
+        ...
+
+    def pause(self) -> None:
+        """Stop producing tokens after the current step; in-flight requests keep their state."""
+        ...
+
+    def resume(self) -> None:
+        """Continue the in-flight (and waiting) requests, with whatever weights are loaded now."""
+        ...
+
+    def abort(self) -> list[Completion]:
+        """Stop all in-flight requests; return their partial completions (finish_reason abort)."""
+        ...
+
+    def sleep(self) -> None:
+        """Release accelerator memory (weights, KV cache); requires no in-flight requests."""
+        ...
+
+    def wake(self) -> None:
+        """Restore what ``sleep`` released.
+
+        A backend that does not keep a host copy of the weights (SGLang without a CPU backup)
+        needs a ``publish_weights`` after ``wake`` before generating; TorchEngine keeps them.
+        """
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine and its processes; idempotent."""
+        ...

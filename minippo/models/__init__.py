@@ -1,0 +1,48 @@
+"""Native decoder models (Qwen3; Qwen2 and Llama-3 as options), builders, logprobs, HF I/O, tokenizers.
+
+Public names:
+    ModelArgs, Transformer, ValueModel, KVCache, init_weights, rope_inv_freq
+        ``Transformer(args)(tokens, *, position_ids, attention_mask, kv_cache, return_hidden)``
+        -> logits [B, S, V]; ``ValueModel(args)(tokens, *, position_ids, attention_mask)`` -> [B, S]
+    builders (zero-argument, return ModelArgs): qwen3_tiny, qwen3_0_6b, qwen3_1_7b, qwen3_4b,
+        qwen3_8b, qwen2_5_0_5b, llama3_2_1b
+    token_logprobs(model, input_ids, *, attention_mask, position_ids, temperature, start, chunk_size)
+        -> [B, S - start];  token_logprobs_and_entropy(...) -> (logprobs, entropy)
+"""
+
+from minippo.models.logprobs import token_logprobs, token_logprobs_and_entropy
+from minippo.models.model import (
+    SUPPORTED_ARCHITECTURES,
+    KVCache,
+    ModelArgs,
+    Transformer,
+    ValueModel,
+    init_weights,
+    llama3_2_1b,
+    qwen2_5_0_5b,
+    qwen3_0_6b,
+    qwen3_1_7b,
+    qwen3_4b,
+    qwen3_8b,
+    qwen3_tiny,
+    rope_inv_freq,
+)
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "KVCache",
+    "ModelArgs",
+    "Transformer",
+    "ValueModel",
+    "init_weights",
+    "llama3_2_1b",
+    "qwen2_5_0_5b",
+    "qwen3_0_6b",
+    "qwen3_1_7b",
+    "qwen3_4b",
+    "qwen3_8b",
+    "qwen3_tiny",
+    "rope_inv_freq",
+    "token_logprobs",
+    "token_logprobs_and_entropy",
+]

@@ -1,0 +1,139 @@
+"""Per-token logprobs of given tokens without keeping ``[B, S, V]`` float32 logits alive.
+
+The lm_head is applied to the final hidden states chunk by chunk (``chunk_size`` tokens at a time);
+each chunk's logits are reduced to one logprob per token at once. With autograd, every chunk runs
+under ``torch.utils.checkpoint`` so that its logits are not saved for backward: backward recomputes
+them one chunk at a time. Peak extra memory is then O(chunk_size * V) instead of O(B * S * V).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_SIZE = 1024
+
+
+def _chunk_logprobs(
+    output: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """h [N, D], targets Long[N] -> logprob Float32[N].
+
+    lp = z[t] - logsumexp(z),  z = lm_head(h) / T  (in float32)
+    """
+    z = output(h).float() / temperature
+    return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def _chunk_logprobs_entropy(
+    output: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [N, D], targets Long[N] -> (logprob, entropy) Float32[N] at temperature T.
+
+    H = logsumexp(z) - Σ_v softmax(z)_v z_v
+    """
+    z = output(h).float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    lp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return lp, entropy
+
+
+def _check(input_ids: torch.Tensor, temperature: float, start: int, chunk_size: int) -> None:
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be Long[B, S], got shape {tuple(input_ids.shape)}")
+    S = input_ids.shape[1]
+    if not 1 <= start < S:
+        raise ValueError(f"start ({start}) must satisfy 1 <= start < S ({S})")
+    if not temperature > 0:
+        raise ValueError(f"temperature ({temperature}) must be > 0 to score tokens")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
+
+
+def _chunked(
+    fn, model: nn.Module, input_ids, attention_mask, position_ids, temperature, start, chunk_size
+):
+    _check(input_ids, temperature, start, chunk_size)
+    hidden = model(
+        input_ids, position_ids=position_ids, attention_mask=attention_mask, return_hidden=True
+    )
+    B, S = input_ids.shape
+    L = S - start
+    # position start-1+j predicts token start+j
+    h = hidden[:, start - 1 : S - 1].reshape(B * L, hidden.shape[-1])
+    targets = input_ids[:, start:].reshape(B * L)
+    use_ckpt = torch.is_grad_enabled() and h.requires_grad
+    outs = []
+    for c in range(0, B * L, chunk_size):
+        hc, tc = h[c : c + chunk_size], targets[c : c + chunk_size]
+        if use_ckpt:
+            outs.append(checkpoint(fn, model.output, hc, tc, temperature, use_reentrant=False))
+        else:
+            outs.append(fn(model.output, hc, tc, temperature))
+    return outs, B, L
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    start: int = 1,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Logprobs of the given tokens, ``Float32[B, S - start]``.
+
+    out[:, j] = log_softmax(logits[:, start - 1 + j] / T)[input_ids[:, start + j]]
+
+    input_ids Long[B, S]; attention_mask Bool[B, S]; position_ids Long[B, S]. With ``start = P``
+    (the padded prompt length) this is the response-aligned ``[B, R]`` of a RolloutBatch.
+    ``chunk_size`` counts tokens (rows of the flattened ``[B * (S - start)]``) per lm_head chunk.
+    ``model`` is a :class:`~minippo.models.Transformer` (or anything with the same
+    ``forward(..., return_hidden=True)`` and ``.output``). Values at padding positions are
+    finite but meaningless: mask them.
+    """
+    outs, B, L = _chunked(
+        _chunk_logprobs,
+        model,
+        input_ids,
+        attention_mask,
+        position_ids,
+        temperature,
+        start,
+        chunk_size,
+    )
+    return torch.cat(outs).view(B, L)
+
+
+def token_logprobs_and_entropy(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    start: int = 1,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like :func:`token_logprobs`, plus the entropy of each predictive distribution at
+    temperature T: returns ``(logprobs, entropy)``, both ``Float32[B, S - start]``.
+
+    entropy[:, j] = H(softmax(logits[:, start - 1 + j] / T))
+    """
+    outs, B, L = _chunked(
+        _chunk_logprobs_entropy,
+        model,
+        input_ids,
+        attention_mask,
+        position_ids,
+        temperature,
+        start,
+        chunk_size,
+    )
+    lp = torch.cat([o[0] for o in outs]).view(B, L)
+    ent = torch.cat([o[1] for o in outs]).view(B, L)
+    return lp, ent

@@ -1,0 +1,581 @@
+"""One decoder-only transformer covering Qwen3, Qwen2 and Llama-3 as options of the same code.
+
+Shapes: B batch, S new tokens, S_kv keys (cached + new), D model dim, H query heads, H_kv key/value
+heads, hd head dim, V vocabulary.
+
+Block (pre-norm, as in all three families):
+    h = x + wo(attn(rope(q_norm(wq(n1(x)))), rope(k_norm(wk(n1(x)))), wv(n1(x))))
+    y = h + w2(silu(w1(n2(h))) * w3(n2(h)))          # SwiGLU; w1 = gate, w3 = up, w2 = down
+with n1/n2 RMSNorm, q_norm/k_norm (Qwen3 only) RMSNorm over each head, grouped-query attention
+(H_kv divides H) through ``F.scaled_dot_product_attention``.
+
+RoPE tables are not module state: the inverse frequencies are a pure function of ``ModelArgs``
+(:func:`rope_inv_freq`) and cos/sin are computed from ``position_ids`` in every forward. So a model
+built on the meta device and materialised with ``to_empty`` has nothing to recompute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+
+
+@dataclass
+class ModelArgs:
+    """Hyper-parameters of the decoder (names follow the HF config where one exists).
+
+    Fields:
+        vocab_size:          V
+        dim:                 D, hidden size
+        n_layers:            number of decoder blocks
+        n_heads:             H, query heads
+        n_kv_heads:          H_kv, key/value heads (H % H_kv == 0)
+        head_dim:            hd (Qwen3 sets it explicitly; otherwise D // H)
+        intermediate_size:   SwiGLU hidden size
+        norm_eps:            RMSNorm epsilon
+        rope_theta:          RoPE base
+        rope_scaling:        None, or {"rope_type": "llama3", "factor", "low_freq_factor",
+                             "high_freq_factor", "original_max_position_embeddings"}
+        max_seq_len:         max_position_embeddings (informational; RoPE has no table)
+        tie_word_embeddings: lm_head shares the embedding matrix
+        qk_norm:             RMSNorm on each q/k head before RoPE (Qwen3)
+        qkv_bias:            bias on wq/wk/wv (Qwen2: True)
+        o_bias:              bias on wo
+        mlp_bias:            bias on w1/w2/w3 (Llama ``mlp_bias``)
+        architecture:        HF class name written to config.json on save
+        extra_hf_config:     other config.json keys kept for a faithful save (eos ids, dtype...)
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_size: int
+    head_dim: int | None = None
+    norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
+    max_seq_len: int = 4096
+    tie_word_embeddings: bool = False
+    qk_norm: bool = True
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    architecture: str = "Qwen3ForCausalLM"
+    extra_hf_config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            if self.dim % self.n_heads != 0:
+                raise ValueError(
+                    f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) "
+                    "when head_dim is not given; set head_dim explicitly"
+                )
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default"):
+                raise ValueError(
+                    f"rope_scaling type {kind!r} is not supported; supported: 'llama3', 'default'"
+                )
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies of RoPE, float32 ``[hd / 2]``.
+
+    default:  inv_freq_i = 1 / theta^(2i / hd)
+    llama3:   wavelen_i = 2π / inv_freq_i; long waves (wavelen > L / low_freq_factor) are divided by
+              ``factor``, short waves (wavelen < L / high_freq_factor) are kept, the band between is
+              interpolated with s = (L / wavelen - low) / (high - low):
+              inv = (1 - s) * inv / factor + s * inv,  L = original_max_position_embeddings.
+    """
+    hd = args.head_dim
+    # computed on CPU in float32 (what the reference implementation does), then moved
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    scaling = args.rope_scaling
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        s = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - s) * scaled / factor + s * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq.to(device) if device is not None else inv_freq
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[B, S, hd]`` for ``position_ids [B, S]`` (angles in float32).
+
+    angle[b, s, i] = pos[b, s] * inv_freq[i mod hd/2]   (halves duplicated: non-interleaved RoPE)
+    """
+    freqs = position_ids[..., None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, heads, S, hd]`` by the angles of ``cos/sin [B, S, hd]``.
+
+    x' = x * cos + rotate_half(x) * sin,  rotate_half([x1, x2]) = [-x2, x1]
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), normalised in float32 then cast back to x's dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class KVCache:
+    """Keys/values of every layer for a batch of sequences that advance together.
+
+    Tensors per layer: ``k, v [B, H_kv, max_len, hd]``; ``length`` is the number of cached positions
+    (the same for all rows: rows of different lengths are handled with the padding
+    ``attention_mask`` over all keys). A forward with the cache writes the new tokens' k/v at
+    ``[length, length + S)`` and then advances ``length`` by S.
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if batch_size < 1 or max_len < 1:
+            raise ValueError(
+                f"KVCache needs batch_size >= 1 and max_len >= 1, got {batch_size=}, {max_len=}"
+            )
+        shape = (batch_size, args.n_kv_heads, max_len, args.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k, v [B, H_kv, S, hd]`` at ``[start, start + S)``; return keys/values
+        ``[B, H_kv, start + S, hd]`` (cached + new)."""
+        end = start + k.shape[2]
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def keep(self, rows: torch.Tensor | Sequence[int]) -> KVCache:
+        """Keep only ``rows`` (Long[k], indices into the current batch), in that order; returns self.
+
+        Used to drop finished sequences so that they stop costing compute.
+        """
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.k[0].device)
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+        return self
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        hd = args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, hd
+        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=args.o_bias)
+        self.q_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        layer: int,
+        start: int,
+    ) -> torch.Tensor:
+        """x [B, S, D] -> [B, S, D]; ``mask`` Bool[B, 1, S, S_kv] (True = attend) or None (causal)."""
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, k, v, start)
+        gqa = self.n_heads != self.n_kv_heads
+        if mask is None:
+            # only reached without padding; with a cache only when all keys are visible (S == 1)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=kv_cache is None or S > 1, enable_gqa=gqa
+            )
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)  # gate
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)  # down
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        start: int,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, kv_cache, self.layer, start)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def attention_mask_4d(
+    attention_mask: torch.Tensor | None, start: int, S: int, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean attention mask ``[B, 1, S, start + S]`` (True = may attend), or None when plain
+    causal attention suffices.
+
+    allowed[b, i, j] = (j <= start + i and attention_mask[b, j]) or j == start + i
+    The diagonal is always allowed so that a padding query never has an empty row (no NaN); real
+    queries always see themselves anyway, so their outputs are unchanged.
+    """
+    if attention_mask is None:
+        if start == 0 or S == 1:
+            return None
+        attention_mask = torch.ones(1, start + S, dtype=torch.bool, device=device)
+    if attention_mask.dim() != 2 or attention_mask.shape[1] != start + S:
+        raise ValueError(
+            f"attention_mask must be [B, S_kv] with S_kv = cached ({start}) + new ({S}) = "
+            f"{start + S}, got shape {tuple(attention_mask.shape)}"
+        )
+    q_pos = torch.arange(start, start + S, device=device)[:, None]
+    k_pos = torch.arange(start + S, device=device)[None, :]
+    causal = k_pos <= q_pos  # [S, S_kv]
+    allowed = (causal[None] & attention_mask.bool()[:, None, :]) | (k_pos == q_pos)[None]
+    return allowed[:, None]  # [B, 1, S, S_kv]
+
+
+class _Decoder(nn.Module):
+    """Embeddings, blocks and final norm shared by the LM and the value model."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def _rope_inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.args, device)
+        return self._inv_freq[device]
+
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """tokens Long[B, S] -> final-normed hidden states [B, S, D]."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be Long[B, S], got shape {tuple(tokens.shape)}")
+        B, S = tokens.shape
+        start = 0
+        if kv_cache is not None:
+            start = kv_cache.length
+            if kv_cache.batch_size != B:
+                raise ValueError(
+                    f"kv_cache holds {kv_cache.batch_size} rows but tokens has batch {B}; "
+                    "call kv_cache.keep(rows) to drop finished rows"
+                )
+            if start + S > kv_cache.max_len:
+                raise ValueError(
+                    f"kv_cache overflow: {start} cached + {S} new > max_len {kv_cache.max_len}"
+                )
+        if position_ids is None:
+            position_ids = torch.arange(start, start + S, device=tokens.device).expand(B, S)
+        elif position_ids.shape != tokens.shape:
+            raise ValueError(
+                f"position_ids shape {tuple(position_ids.shape)} != tokens shape {tuple(tokens.shape)}"
+            )
+        h = self.tok_embeddings(tokens)
+        cos, sin = rope_cos_sin(self._rope_inv_freq(h.device), position_ids, h.dtype)
+        mask = attention_mask_4d(attention_mask, start, S, tokens.device)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask, kv_cache, start)
+        if kv_cache is not None:
+            kv_cache.length = start + S
+        return self.norm(h)
+
+
+class Transformer(_Decoder):
+    """Causal LM: decoder + lm_head (``output``, tied to ``tok_embeddings`` when
+    ``args.tie_word_embeddings``)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the embedding Parameter when ``args.tie_word_embeddings``."""
+        if self.args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        # ``to_empty`` from meta (and any device move that cannot swap data in place) creates a
+        # new Parameter per module, which would silently untie the lm_head; tie it again.
+        out = super()._apply(fn, recurse)
+        self.tie_weights()
+        return out
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Logits ``[B, S, V]`` (dtype of the weights) for ``tokens Long[B, S]``.
+
+        position_ids:   Long[B, S]; default ``cached + arange(S)`` (pass it with left padding).
+        attention_mask: Bool[B, S_kv] padding mask over all keys (cached + new); causal masking is
+                        always applied on top.
+        kv_cache:       appends the new k/v after the cached ones and advances ``kv_cache.length``.
+        return_hidden:  return the final-normed hidden states ``[B, S, D]`` instead of logits.
+        """
+        h = self.hidden_states(
+            tokens, position_ids=position_ids, attention_mask=attention_mask, kv_cache=kv_cache
+        )
+        return h if return_hidden else self.output(h)
+
+
+class ValueModel(_Decoder):
+    """Critic: the same decoder with a scalar head ``value_head: Linear(D, 1)``."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(replace(args, tie_word_embeddings=False))
+        self.value_head = nn.Linear(args.dim, 1, bias=True)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Values ``Float[B, S]`` (dtype of the weights): v[b, s] estimates the return after token s."""
+        h = self.hidden_states(tokens, position_ids=position_ids, attention_mask=attention_mask)
+        return self.value_head(h).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Initialisation
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """Random init for tests and toy tasks; returns ``model``.
+
+    Linear/Embedding weights ~ N(0, std²), biases 0, RMSNorm weights 1, ``value_head`` 0 (a critic
+    starts predicting 0). Values are drawn on CPU from ``torch.Generator().manual_seed(seed)`` in
+    parameter order, so the same seed gives the same weights on every device. Works after
+    ``model.to_empty(device=...)`` of a meta-built model.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():  # tied weights appear once
+        if p.device.type == "meta":
+            raise ValueError(
+                f"parameter {name} is on the meta device; call model.to_empty(device=...) first"
+            )
+        leaf = name.rsplit(".", 1)[-1]
+        if name.startswith("value_head") or leaf == "bias":
+            value = torch.zeros(p.shape)
+        elif name.endswith("norm.weight"):
+            value = torch.ones(p.shape)
+        else:
+            value = torch.empty(p.shape).normal_(0.0, std, generator=gen)
+        p.copy_(value.to(p.dtype))
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Size builders (return ModelArgs: build with Transformer(args) / ValueModel(args))
+
+
+def qwen3_tiny(vocab_size: int = 64) -> ModelArgs:
+    """A 2-layer Qwen3 for tests and toy tasks (~0.1M parameters; vocab 64 covers TinyTokenizer)."""
+    return ModelArgs(
+        vocab_size=vocab_size,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        norm_eps=1e-6,
+        rope_theta=10_000.0,
+        max_seq_len=512,
+        tie_word_embeddings=True,
+    )
+
+
+def _qwen3(dim: int, n_layers: int, n_heads: int, inter: int, tie: bool) -> ModelArgs:
+    return ModelArgs(
+        vocab_size=151_936,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        head_dim=128,
+        intermediate_size=inter,
+        norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_seq_len=40_960,
+        tie_word_embeddings=tie,
+    )
+
+
+def qwen3_0_6b() -> ModelArgs:
+    """Qwen3-0.6B."""
+    return _qwen3(1024, 28, 16, 3072, tie=True)
+
+
+def qwen3_1_7b() -> ModelArgs:
+    """Qwen3-1.7B."""
+    return _qwen3(2048, 28, 16, 6144, tie=True)
+
+
+def qwen3_4b() -> ModelArgs:
+    """Qwen3-4B."""
+    return _qwen3(2560, 36, 32, 9728, tie=True)
+
+
+def qwen3_8b() -> ModelArgs:
+    """Qwen3-8B."""
+    return _qwen3(4096, 36, 32, 12288, tie=False)
+
+
+def qwen2_5_0_5b() -> ModelArgs:
+    """Qwen2.5-0.5B (qkv bias, no q/k norm)."""
+    return ModelArgs(
+        vocab_size=151_936,
+        dim=896,
+        n_layers=24,
+        n_heads=14,
+        n_kv_heads=2,
+        intermediate_size=4864,
+        norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_seq_len=32_768,
+        tie_word_embeddings=True,
+        qk_norm=False,
+        qkv_bias=True,
+        architecture="Qwen2ForCausalLM",
+    )
+
+
+def llama3_2_1b() -> ModelArgs:
+    """Llama-3.2-1B (llama3 RoPE scaling, no q/k norm)."""
+    return ModelArgs(
+        vocab_size=128_256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        norm_eps=1e-5,
+        rope_theta=500_000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        max_seq_len=131_072,
+        tie_word_embeddings=True,
+        qk_norm=False,
+        architecture="LlamaForCausalLM",
+    )

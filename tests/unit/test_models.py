@@ -1,0 +1,225 @@
+"""Native model: shapes, masking, KV cache, chunked logprobs, value model, meta init."""
+
+import pytest
+import torch
+
+from minippo.models import (
+    KVCache,
+    ModelArgs,
+    Transformer,
+    ValueModel,
+    init_weights,
+    llama3_2_1b,
+    qwen2_5_0_5b,
+    qwen3_0_6b,
+    qwen3_1_7b,
+    qwen3_4b,
+    qwen3_8b,
+    qwen3_tiny,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
+
+
+def tiny_model(**overrides) -> Transformer:
+    args = qwen3_tiny()
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    return init_weights(Transformer(args), seed=0)
+
+
+def left_padded_batch(lengths: list[int], S: int, vocab: int, seed: int = 0):
+    """Random tokens, LEFT padded: (tokens [B,S], attention_mask [B,S], position_ids [B,S])."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lengths)
+    tokens = torch.randint(0, vocab, (B, S), generator=g)
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        mask[b, S - n :] = True
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    tokens = tokens.masked_fill(~mask, 0)
+    return tokens, mask, pos
+
+
+def test_forward_shapes_and_tied_head():
+    model = tiny_model()
+    assert model.output.weight is model.tok_embeddings.weight
+    tokens = torch.randint(0, 64, (3, 7))
+    assert model(tokens).shape == (3, 7, 64)
+    assert model(tokens, return_hidden=True).shape == (3, 7, 64)
+    untied = init_weights(
+        Transformer(ModelArgs(**{**qwen3_tiny().__dict__, "tie_word_embeddings": False}))
+    )
+    assert untied.output.weight is not untied.tok_embeddings.weight
+
+
+def test_causality_future_tokens_do_not_change_past_logits():
+    model = tiny_model()
+    a = torch.randint(0, 64, (2, 10))
+    b = a.clone()
+    b[:, 6:] = (b[:, 6:] + 1) % 64
+    la, lb = model(a), model(b)
+    torch.testing.assert_close(la[:, :6], lb[:, :6], rtol=0, atol=1e-6)
+    assert (la[:, 6:] - lb[:, 6:]).abs().max() > 1e-3
+
+
+def test_left_padding_matches_unpadded_rows():
+    model = tiny_model()
+    tokens, mask, pos = left_padded_batch([4, 7, 2], S=7, vocab=64)
+    padded = model(tokens, attention_mask=mask, position_ids=pos)
+    assert torch.isfinite(padded).all()  # padding queries still have a finite row
+    for b, n in enumerate([4, 7, 2]):
+        alone = model(tokens[b : b + 1, 7 - n :])
+        torch.testing.assert_close(padded[b, 7 - n :], alone[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen2", "llama"])
+def test_kv_cache_decode_equals_full_forward(variant):
+    args = qwen3_tiny()
+    if variant == "qwen2":
+        args.qk_norm, args.qkv_bias, args.architecture = False, True, "Qwen2ForCausalLM"
+    if variant == "llama":
+        args.qk_norm, args.architecture = False, "LlamaForCausalLM"
+        args.rope_scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+    model = init_weights(Transformer(args), seed=1)
+    lengths, P, new = [3, 5, 1, 5], 5, 6
+    prompt, pmask, ppos = left_padded_batch(lengths, S=P, vocab=64, seed=2)
+    cont = torch.randint(0, 64, (4, new), generator=torch.Generator().manual_seed(3))
+    full = torch.cat([prompt, cont], 1)
+    full_mask = torch.cat([pmask, torch.ones(4, new, dtype=torch.bool)], 1)
+    full_pos = (full_mask.long().cumsum(-1) - 1).clamp(min=0)
+    ref = model(full, attention_mask=full_mask, position_ids=full_pos)
+
+    cache = KVCache(args, batch_size=4, max_len=P + new)
+    out = model(prompt, attention_mask=pmask, position_ids=ppos, kv_cache=cache)
+    assert cache.length == P
+    torch.testing.assert_close(out[pmask], ref[:, :P][pmask], rtol=0, atol=1e-5)
+    rows = torch.arange(4)
+    for t in range(new):
+        if t == 3:  # drop rows 1 and 2 mid-decode
+            keep = torch.tensor([0, 3])
+            cache.keep(keep)
+            rows = rows[keep]
+        step = model(
+            full[rows, P + t : P + t + 1],
+            attention_mask=full_mask[rows, : P + t + 1],
+            position_ids=full_pos[rows, P + t : P + t + 1],
+            kv_cache=cache,
+        )
+        torch.testing.assert_close(step[:, 0], ref[rows, P + t], rtol=0, atol=1e-5)
+    assert cache.length == P + new and cache.batch_size == 2
+    with pytest.raises(ValueError, match="overflow"):
+        model(
+            full[rows, :1],
+            attention_mask=full_mask[rows, :1].repeat(1, P + new + 1),
+            kv_cache=cache,
+        )
+
+
+def test_token_logprobs_matches_naive_and_backprops():
+    model = tiny_model()
+    tokens, mask, pos = left_padded_batch([6, 9, 4], S=9, vocab=64)
+    T, start = 0.7, 3
+
+    def naive():
+        logits = model(tokens, attention_mask=mask, position_ids=pos).float() / T
+        lp = logits.log_softmax(-1)[:, start - 1 : -1]
+        return lp.gather(-1, tokens[:, start:, None]).squeeze(-1)
+
+    ref = naive()
+    ref.sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got = token_logprobs(
+        model,
+        tokens,
+        attention_mask=mask,
+        position_ids=pos,
+        temperature=T,
+        start=start,
+        chunk_size=5,
+    )
+    assert got.shape == (3, 6) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    got.sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        lp, ent = token_logprobs_and_entropy(
+            model, tokens, temperature=T, start=start, chunk_size=4
+        )
+        logits = model(tokens).float()[:, start - 1 : -1] / T
+        p = logits.softmax(-1)
+        torch.testing.assert_close(ent, -(p * p.log()).sum(-1), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            lp,
+            logits.log_softmax(-1).gather(-1, tokens[:, start:, None]).squeeze(-1),
+            rtol=0,
+            atol=1e-5,
+        )
+
+
+def test_token_logprobs_bad_input():
+    model = tiny_model()
+    tokens = torch.randint(0, 64, (2, 5))
+    with pytest.raises(ValueError, match="start"):
+        token_logprobs(model, tokens, start=5)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(model, tokens, temperature=0.0)
+
+
+def test_value_model_shapes_and_zero_head():
+    critic = init_weights(ValueModel(qwen3_tiny()), seed=0)
+    tokens, mask, pos = left_padded_batch([3, 5], S=5, vocab=64)
+    v = critic(tokens, attention_mask=mask, position_ids=pos)
+    assert v.shape == (2, 5)
+    assert torch.equal(v, torch.zeros(2, 5))  # head starts at 0
+    assert not hasattr(critic, "output")
+
+
+def test_meta_init_then_materialise_equals_direct_init():
+    args = qwen3_tiny()
+    with torch.device("meta"):
+        meta = Transformer(args)
+    assert meta.output.weight is meta.tok_embeddings.weight
+    meta.to_empty(device="cpu")
+    init_weights(meta, seed=5)
+    direct = init_weights(Transformer(args), seed=5)
+    assert meta.output.weight is meta.tok_embeddings.weight
+    tokens = torch.randint(0, 64, (2, 6))
+    assert torch.equal(meta(tokens), direct(tokens))
+
+
+def test_builders_parameter_counts():
+    def count(args):
+        with torch.device("meta"):
+            return sum(p.numel() for p in Transformer(args).parameters())
+
+    # published sizes (tied embeddings counted once)
+    assert abs(count(qwen3_0_6b()) / 1e9 - 0.596) < 0.01
+    assert abs(count(qwen3_1_7b()) / 1e9 - 1.72) < 0.02
+    assert abs(count(qwen3_4b()) / 1e9 - 4.02) < 0.03
+    assert abs(count(qwen3_8b()) / 1e9 - 8.19) < 0.03
+    assert abs(count(qwen2_5_0_5b()) / 1e9 - 0.494) < 0.01
+    assert abs(count(llama3_2_1b()) / 1e9 - 1.236) < 0.01
+
+
+def test_model_args_validation():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelArgs(vocab_size=8, dim=16, n_layers=1, n_heads=4, n_kv_heads=3, intermediate_size=8)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        ModelArgs(
+            vocab_size=8,
+            dim=16,
+            n_layers=1,
+            n_heads=4,
+            n_kv_heads=2,
+            intermediate_size=8,
+            architecture="Gpt2",
+        )

@@ -1,0 +1,252 @@
+"""Atomic, sharded training checkpoints (torch.distributed.checkpoint).
+
+Layout under ``ckpt_dir`` (``${output_dir}/checkpoints`` in the configs)::
+
+    step_000010/              a complete checkpoint: 10 training steps done
+        .metadata, *.distcp   DCP shards of every model and optimizer (each rank writes its own)
+        extra_rank0.pt        per-rank "extra" state (pickled): RNG states, correction state,
+        extra_rank1.pt        rollout-queue / dataloader position, LR schedulers, counters ...
+        meta.json             {"step": 10, "world_size": 2, "time": ...}; written last
+    latest                    one line: the name of the newest complete checkpoint
+
+Atomicity: everything is written into ``step_000010.tmp/``; only when every rank has finished,
+rank 0 writes ``meta.json``, renames the folder to ``step_000010`` (an atomic ``os.rename``) and
+then replaces ``latest`` (write ``latest.tmp``, ``os.replace``). A process killed at any point of a
+save therefore leaves the previous checkpoint and the ``latest`` pointer intact; the next save
+removes the half-written ``.tmp`` folder.
+
+Models and optimizers go through ``get_state_dict`` / ``set_state_dict``
+(``torch.distributed.checkpoint.state_dict``), so the same code saves a plain module in a single
+process (no process group) and an FSDP2-sharded module on N ranks (each rank writes its shards).
+Resuming needs the same world size (the per-rank extra state holds per-rank shards and RNG).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _dist() else 1
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old or the new content, never a mix."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def step_dir_name(step: int) -> str:
+    """``step_000010`` for step 10 (zero-padded so that names sort by step)."""
+    return f"step_{step:06d}"
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The RNG states this process uses: Python ``random``, torch CPU and (if present) CUDA."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Undo :func:`capture_rng_state`."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """Save and load training checkpoints under ``ckpt_dir``; see the module docstring.
+
+    Args:
+        ckpt_dir: the folder holding ``step_*`` checkpoints and the ``latest`` pointer.
+        keep_last: keep only the newest ``keep_last`` checkpoints (None: keep all).
+    """
+
+    def __init__(self, ckpt_dir: str | os.PathLike, *, keep_last: int | None = None) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(
+                f"checkpoint.keep_last must be an integer >= 1 or null (keep all), got {keep_last!r}"
+            )
+        self.ckpt_dir = Path(ckpt_dir)
+        self.keep_last = keep_last
+
+    # ---------------------------------------------------------------- save
+    def save(
+        self,
+        step: int,
+        *,
+        models: Mapping[str, tuple[nn.Module, torch.optim.Optimizer | None]],
+        extra: Mapping[str, Any],
+        meta: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Write checkpoint ``step`` atomically; collective (call on every rank); returns its path.
+
+        Args:
+            step: number of completed training steps (a resumed run starts at this step).
+            models: name -> (module, its optimizer or None). Saved as DCP shards under the keys
+                ``name`` and ``name + "_optim"``.
+            extra: this rank's picklable state (RNG, correction, queue position, schedulers...).
+                Tensors in it must be plain tensors (e.g. a rank's local shards), not DTensors.
+            meta: small JSON-able facts added to ``meta.json`` (e.g. the weight version).
+        """
+        final = self.ckpt_dir / step_dir_name(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if _rank() == 0:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left over by a save that was killed
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        _barrier()
+
+        state: dict[str, Any] = {}
+        for name, (model, optim) in models.items():
+            if optim is None:
+                state[name] = get_state_dict(model, [])[0]
+            else:
+                state[name], state[name + "_optim"] = get_state_dict(model, optim)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
+        torch.save(dict(extra), tmp / f"extra_rank{_rank()}.pt")
+        _barrier()
+
+        if _rank() == 0:
+            info = {"step": step, "world_size": _world_size(), "time": time.time()}
+            info.update(meta or {})
+            _write_text_atomic(tmp / "meta.json", json.dumps(info, indent=2) + "\n")
+            old = None
+            if final.exists():  # the same step saved by an earlier run in this folder
+                old = final.with_name(f"{final.name}.old-{os.getpid()}")
+                os.rename(final, old)
+            os.rename(tmp, final)
+            _fsync_dir(self.ckpt_dir)
+            _write_text_atomic(self.ckpt_dir / LATEST, final.name + "\n")
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        """Delete the oldest complete checkpoints beyond ``keep_last`` (never the latest)."""
+        if self.keep_last is None:
+            return
+        done = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir() and p.suffix == "")
+        for p in done[: -self.keep_last]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    # ---------------------------------------------------------------- load
+    def resolve(self, resume_from: str | os.PathLike | None) -> Path | None:
+        """The checkpoint folder that ``resume_from`` names, or None for a fresh run.
+
+        ``resume_from``: None / "" / "null" (fresh run), ``"latest"`` (what ``ckpt_dir/latest``
+        points to), or a path: a ``step_*`` folder, or a checkpoint root with a ``latest`` file.
+        """
+        if resume_from is None or str(resume_from) in ("", "null", "None"):
+            return None
+        if str(resume_from) == LATEST:
+            root = self.ckpt_dir
+            if not (root / LATEST).is_file():
+                raise FileNotFoundError(
+                    f"resume_from=latest, but {root / LATEST} does not exist (no checkpoint was "
+                    f"saved in {root}); set resume_from=null to start a fresh run, or "
+                    "resume_from=<path to a step_* checkpoint folder>"
+                )
+        else:
+            root = Path(resume_from)
+        if (root / LATEST).is_file():
+            root = root / (root / LATEST).read_text().strip()
+        if not (root / "meta.json").is_file():
+            raise FileNotFoundError(
+                f"resume_from={resume_from!s}: {root} is not a complete checkpoint (no meta.json); "
+                f"give a step_* folder (e.g. {self.ckpt_dir / step_dir_name(10)}) or 'latest'"
+            )
+        return root
+
+    def load(
+        self,
+        path: str | os.PathLike,
+        *,
+        models: Mapping[str, tuple[nn.Module, torch.optim.Optimizer | None]],
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Load checkpoint ``path`` into ``models`` (in place); collective.
+
+        Returns ``(extra, meta)``: this rank's extra state and the contents of meta.json.
+        """
+        path = Path(path)
+        meta = json.loads((path / "meta.json").read_text())
+        if meta["world_size"] != _world_size():
+            raise ValueError(
+                f"checkpoint {path} was written by {meta['world_size']} ranks but this run has "
+                f"{_world_size()}; resume with --nproc-per-node {meta['world_size']}"
+            )
+        state: dict[str, Any] = {}
+        for name, (model, optim) in models.items():
+            if optim is None:
+                state[name] = get_state_dict(model, [])[0]
+            else:
+                state[name], state[name + "_optim"] = get_state_dict(model, optim)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(path), no_dist=not _dist())
+        for name, (model, optim) in models.items():
+            if optim is None:
+                set_state_dict(model, [], model_state_dict=state[name], optim_state_dict={})
+            else:
+                set_state_dict(
+                    model,
+                    optim,
+                    model_state_dict=state[name],
+                    optim_state_dict=state[name + "_optim"],
+                )
+        extra = torch.load(path / f"extra_rank{_rank()}.pt", weights_only=False)
+        log.info("loaded checkpoint %s (step %d)", path, meta["step"])
+        return extra, meta

@@ -1,0 +1,246 @@
+"""Metric loggers behind one interface.
+
+Every logger has ``log(metrics, step)``, ``log_config(cfg)`` and ``close()``. Metric names are
+namespaced (``train/``, ``rollout/``, ``correction/``, ``perf/``) and values are plain floats.
+
+* :class:`JsonlLogger` (the default): one JSON object per line, ``{"step": k, "name": value, ...}``;
+  tests and plotting scripts read it with :func:`read_jsonl`.
+* :class:`StdoutLogger`: one compact line per step.
+* :class:`TensorBoardLogger`, :class:`WandBLogger`: optional; their packages are imported only when
+  the logger is built, with an error that names the package to install.
+* :class:`NoOpLogger` (what non-zero ranks use) and :class:`MultiLogger` (several at once).
+
+In a config::
+
+    metric_logger:
+      _component_: minippo.training.metrics.JsonlLogger
+      path: ${output_dir}/metrics.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class MetricLogger(Protocol):
+    """What the recipe calls; every logger below implements it."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Record ``metrics`` (name -> float) for training step ``step``."""
+        ...
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Record the resolved run config once, at the start."""
+        ...
+
+    def close(self) -> None:
+        """Flush and release files / connections; idempotent."""
+        ...
+
+
+def _to_float(name: str, value: Any) -> float:
+    """A metric value as a Python float (tensors, numpy scalars, ints, bools accepted)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool | int | float):
+        return float(value)
+    raise TypeError(
+        f"metric {name!r} has a value of type {type(value).__name__} ({value!r}); metrics must "
+        "be numbers (use .item() on tensors)"
+    )
+
+
+def _json_float(x: float) -> float | str:
+    """JSON has no NaN/inf: write them as the strings "nan", "inf", "-inf"."""
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+class NoOpLogger:
+    """Logs nothing (non-zero ranks, or ``metric_logger: null``)."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlLogger:
+    """Append one JSON line per ``log`` call to ``path`` (created with its parent folders).
+
+    Line format: ``{"step": 3, "train/loss": 0.12, ...}``; non-finite values are written as the
+    strings ``"nan"`` / ``"inf"`` / ``"-inf"`` so that every line is strict JSON.
+
+    Args:
+        path: the .jsonl file.
+        append: keep an existing file and add to it (a resumed run); otherwise start it empty.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, append: bool = False) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._file is None:
+            raise RuntimeError(f"JsonlLogger({self.path}) is closed")
+        row: dict[str, Any] = {"step": int(step)}
+        row.update({k: _json_float(_to_float(k, v)) for k, v in metrics.items()})
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        # the config goes next to the metrics, not into them (the jsonl stays one row per step)
+        with open(self.path.with_name(self.path.stem + "_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, default=str)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, float]]:
+    """The rows a :class:`JsonlLogger` wrote, with "nan"/"inf" strings turned back into floats."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            rows.append({k: float(v) if isinstance(v, str) else v for k, v in row.items()})
+    return rows
+
+
+class StdoutLogger:
+    """One line per step: ``step 3 | train/loss 0.1200 | rollout/reward_mean 0.4000``.
+
+    Args:
+        keys: only print these names (all when None).
+        stream: where to write (default sys.stdout).
+    """
+
+    def __init__(self, keys: Sequence[str] | None = None, stream: IO[str] | None = None) -> None:
+        self.keys = list(keys) if keys is not None else None
+        self.stream = stream
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        names = self.keys if self.keys is not None else sorted(metrics)
+        parts = [f"step {step}"]
+        parts += [f"{k} {_to_float(k, metrics[k]):.4g}" for k in names if k in metrics]
+        print(" | ".join(parts), file=self.stream or sys.stdout, flush=True)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLogger:
+    """Scalars to a TensorBoard event folder (needs ``pip install tensorboard``).
+
+    Args:
+        log_dir: the event folder.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # torch raises ImportError when tensorboard is missing
+            raise ImportError(
+                "TensorBoardLogger needs the `tensorboard` package, which is not installed: "
+                "run `pip install tensorboard`, or use "
+                "metric_logger._component_=minippo.training.metrics.JsonlLogger"
+            ) from e
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for k, v in metrics.items():
+            self._writer.add_scalar(k, _to_float(k, v), global_step=step)
+        self._writer.flush()
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        self._writer.add_text(
+            "config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```"
+        )
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandBLogger:
+    """Weights & Biases run (needs ``pip install wandb`` and a login or ``WANDB_MODE=offline``).
+
+    Args:
+        project: the W&B project.
+        name: the run name (None: W&B picks one).
+        log_dir: where W&B keeps its local files.
+        **kwargs: passed to ``wandb.init`` (entity, group, tags, mode, ...).
+    """
+
+    def __init__(
+        self,
+        project: str,
+        name: str | None = None,
+        log_dir: str | os.PathLike | None = None,
+        **kwargs: Any,
+    ) -> None:
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(
+                "WandBLogger needs the `wandb` package, which is not installed: run "
+                "`pip install wandb`, or use "
+                "metric_logger._component_=minippo.training.metrics.JsonlLogger"
+            ) from e
+        self._wandb = wandb
+        self._run = wandb.init(
+            project=project, name=name, dir=str(log_dir) if log_dir else None, **kwargs
+        )
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self._run.log({k: _to_float(k, v) for k, v in metrics.items()}, step=step)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        self._run.config.update(dict(config), allow_val_change=True)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MultiLogger:
+    """Send every call to each of ``loggers`` (already built loggers)."""
+
+    def __init__(self, loggers: Sequence[MetricLogger]) -> None:
+        for i, lg in enumerate(loggers):
+            if not isinstance(lg, MetricLogger):
+                raise TypeError(
+                    f"MultiLogger: item {i} is a {type(lg).__name__}, not a logger with "
+                    "log/log_config/close; give built loggers (nodes with a _component_)"
+                )
+        self.loggers = list(loggers)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for lg in self.loggers:
+            lg.log(metrics, step)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        for lg in self.loggers:
+            lg.log_config(config)
+
+    def close(self) -> None:
+        for lg in self.loggers:
+            lg.close()

@@ -1,0 +1,177 @@
+"""Checkpointer: round trip, atomic saves, resume_from resolution."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from minippo.training.checkpoint import (
+    Checkpointer,
+    capture_rng_state,
+    restore_rng_state,
+    step_dir_name,
+)
+
+
+def _model_and_optim(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optim
+
+
+def _train_one_step(model, optim, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 4, generator=g)
+    model(x).pow(2).mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_round_trip_restores_model_optimizer_extra_and_rng(tmp_path):
+    model, optim = _model_and_optim(0)
+    critic = nn.Linear(3, 1)
+    _train_one_step(model, optim, 1)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    torch.manual_seed(123)
+    rng = capture_rng_state()
+    expected_draw = torch.rand(3)
+    path = ckpt.save(
+        1,
+        models={"actor": (model, optim), "frozen": (critic, None)},
+        extra={"rng": rng, "queue": {"epoch": 2, "offset": 7}, "blob": torch.arange(3)},
+        meta={"version": 1},
+    )
+    assert path.name == step_dir_name(1) == "step_000001"
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_000001"
+    assert json.loads((path / "meta.json").read_text())["version"] == 1
+
+    # a differently initialised model + fresh optimizer get exactly the saved state back
+    model2, optim2 = _model_and_optim(99)
+    critic2 = nn.Linear(3, 1)
+    extra, meta = ckpt.load(
+        ckpt.resolve("latest"), models={"actor": (model2, optim2), "frozen": (critic2, None)}
+    )
+    assert meta["step"] == 1 and meta["world_size"] == 1
+    for k, v in _params(model).items():
+        torch.testing.assert_close(model2.state_dict()[k], v, rtol=0, atol=0)
+    torch.testing.assert_close(critic2.weight, critic.weight, rtol=0, atol=0)
+    assert extra["queue"] == {"epoch": 2, "offset": 7}
+    assert torch.equal(extra["blob"], torch.arange(3))
+    # optimizer moments restored: the next step is identical on both copies
+    _train_one_step(model, optim, 2)
+    _train_one_step(model2, optim2, 2)
+    for k, v in _params(model).items():
+        torch.testing.assert_close(model2.state_dict()[k], v, rtol=0, atol=0)
+    torch.rand(5)  # move the RNG on, then restore
+    restore_rng_state(extra["rng"])
+    torch.testing.assert_close(torch.rand(3), expected_draw, rtol=0, atol=0)
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("disk full (simulated)")
+
+
+def test_failed_save_leaves_previous_checkpoint_usable(tmp_path):
+    model, optim = _model_and_optim(0)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, models={"actor": (model, optim)}, extra={"n": 1})
+    saved = _params(model)
+    _train_one_step(model, optim, 3)
+    # the model shards are written, then writing the extra state fails half-way
+    with pytest.raises(RuntimeError, match="disk full"):
+        ckpt.save(2, models={"actor": (model, optim)}, extra={"bad": _Unpicklable()})
+    assert (tmp_path / "step_000002.tmp").exists()
+    assert not (tmp_path / "step_000002").exists()
+    assert (tmp_path / "latest").read_text().strip() == "step_000001"
+
+    model2, optim2 = _model_and_optim(5)
+    extra, meta = ckpt.load(ckpt.resolve("latest"), models={"actor": (model2, optim2)})
+    assert meta["step"] == 1 and extra == {"n": 1}
+    for k, v in saved.items():
+        torch.testing.assert_close(model2.state_dict()[k], v, rtol=0, atol=0)
+    # the next save of that step cleans the half-written folder and succeeds
+    ckpt.save(2, models={"actor": (model, optim)}, extra={"n": 2})
+    assert not (tmp_path / "step_000002.tmp").exists()
+    assert ckpt.resolve("latest").name == "step_000002"
+
+
+def test_kill_during_save_leaves_previous_checkpoint_usable(tmp_path):
+    """A real SIGKILL right before the final rename: the old checkpoint still loads."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch
+        from torch import nn
+        from minippo.training import checkpoint as C
+        torch.manual_seed(0)
+        m = nn.Linear(3, 2)
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        ck = C.Checkpointer({str(tmp_path)!r})
+        ck.save(1, models={{"actor": (m, o)}}, extra={{}})
+        torch.save(m.state_dict(), {str(tmp_path / "ref.pt")!r})
+        with torch.no_grad():
+            m.weight.add_(1.0)
+        real_rename = os.rename
+        def rename(src, dst):
+            if str(src).endswith("step_000002.tmp"):  # the final rename of the save
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_rename(src, dst)
+        os.rename = rename
+        ck.save(2, models={{"actor": (m, o)}}, extra={{}})
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert (tmp_path / "step_000002.tmp" / "meta.json").exists()  # it died at the last moment
+    ckpt = Checkpointer(tmp_path)
+    path = ckpt.resolve("latest")
+    assert path.name == "step_000001"
+    m = nn.Linear(3, 2)
+    ckpt.load(path, models={"actor": (m, torch.optim.SGD(m.parameters(), lr=0.1))})
+    ref = torch.load(tmp_path / "ref.pt")
+    torch.testing.assert_close(m.weight, ref["weight"], rtol=0, atol=0)
+
+
+def test_resave_same_step_and_keep_last(tmp_path):
+    model, optim = _model_and_optim(0)
+    ckpt = Checkpointer(tmp_path, keep_last=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, models={"actor": (model, optim)}, extra={"s": step})
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000002", "step_000003"]
+    ckpt.save(3, models={"actor": (model, optim)}, extra={"s": 33})  # a re-run over old output
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_000002", "step_000003"]
+    extra, _ = ckpt.load(ckpt.resolve(tmp_path / "step_000003"), models={"actor": (model, optim)})
+    assert extra == {"s": 33}
+
+
+def test_resolve_errors_and_fresh_run(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.resolve(None) is None and ckpt.resolve("null") is None
+    with pytest.raises(FileNotFoundError, match="resume_from=null"):
+        ckpt.resolve("latest")
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        ckpt.resolve(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="keep_last"):
+        Checkpointer(tmp_path, keep_last=0)
+
+
+def test_world_size_mismatch_is_refused(tmp_path):
+    model, optim = _model_and_optim(0)
+    ckpt = Checkpointer(tmp_path)
+    path = ckpt.save(1, models={"actor": (model, optim)}, extra={})
+    meta = json.loads((path / "meta.json").read_text())
+    meta["world_size"] = 8
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="--nproc-per-node 8"):
+        ckpt.load(path, models={"actor": (model, optim)})

@@ -1,0 +1,76 @@
+"""Metric loggers: jsonl round trip, stdout, multi, no-op, clear errors for optional backends."""
+
+import importlib.util
+import io
+import json
+import math
+
+import pytest
+import torch
+
+from minippo.training.metrics import (
+    JsonlLogger,
+    MetricLogger,
+    MultiLogger,
+    NoOpLogger,
+    StdoutLogger,
+    TensorBoardLogger,
+    WandBLogger,
+    read_jsonl,
+)
+
+
+def test_jsonl_round_trip_with_tensors_and_non_finite(tmp_path):
+    path = tmp_path / "sub" / "metrics.jsonl"
+    lg = JsonlLogger(path)
+    lg.log({"train/loss": torch.tensor(0.5), "rollout/n": 3}, step=0)
+    lg.log({"train/loss": float("nan"), "train/grad_norm": float("inf")}, step=1)
+    lg.log_config({"seed": 1, "output_dir": "x"})
+    lg.close()
+    lg.close()  # idempotent
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[0]) == {"step": 0, "train/loss": 0.5, "rollout/n": 3.0}
+    assert json.loads(lines[1])["train/loss"] == "nan"  # strict JSON, no bare NaN
+    rows = read_jsonl(path)
+    assert rows[0]["train/loss"] == 0.5
+    assert math.isnan(rows[1]["train/loss"]) and rows[1]["train/grad_norm"] == math.inf
+    assert json.loads((tmp_path / "sub" / "metrics_config.json").read_text())["seed"] == 1
+
+
+def test_jsonl_append_keeps_rows_and_rejects_non_numbers(tmp_path):
+    path = tmp_path / "m.jsonl"
+    JsonlLogger(path).log({"a": 1.0}, step=0)
+    lg = JsonlLogger(path, append=True)
+    lg.log({"a": 2.0}, step=1)
+    with pytest.raises(TypeError, match="metric 'a' has a value of type str"):
+        lg.log({"a": "x"}, step=2)
+    lg.close()
+    assert [r["a"] for r in read_jsonl(path)] == [1.0, 2.0]
+    with pytest.raises(RuntimeError, match="closed"):
+        lg.log({"a": 1.0}, step=3)
+
+
+def test_stdout_and_multi_logger():
+    buf = io.StringIO()
+    out = StdoutLogger(keys=["b", "a"], stream=buf)
+    multi = MultiLogger([out, NoOpLogger()])
+    multi.log({"a": 1.0, "b": 0.25, "c": 9.0}, step=4)
+    multi.log_config({})
+    multi.close()
+    assert buf.getvalue() == "step 4 | b 0.25 | a 1\n"
+    for lg in (out, NoOpLogger(), multi):
+        assert isinstance(lg, MetricLogger)
+    with pytest.raises(TypeError, match="item 0 is a dict"):
+        MultiLogger([{"_component_": "x"}])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="installed")
+def test_tensorboard_missing_gives_install_hint(tmp_path):
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        TensorBoardLogger(tmp_path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="installed")
+def test_wandb_missing_gives_install_hint():
+    with pytest.raises(ImportError, match="pip install wandb"):
+        WandBLogger(project="p")

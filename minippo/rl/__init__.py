@@ -1,0 +1,52 @@
+"""Pure RL math on response-aligned ``[B, R]`` tensors: advantages, losses, KL, aggregation.
+
+The behaviour-policy corrections live in ``minippo.rl.correction`` (import it by that name) and
+the batch container in ``minippo.rl.types``.
+"""
+
+from minippo.rl.advantages import (
+    gae,
+    group_advantages,
+    last_token_index,
+    place_sequence_rewards,
+    split_critic_values,
+)
+from minippo.rl.aggregation import AGGREGATION_MODES, GlobalCounts, aggregate, global_counts
+from minippo.rl.functional import (
+    chunked_entropy,
+    entropy_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+from minippo.rl.kl import KL_ESTIMATORS, kl_estimate, kl_loss, kl_penalty
+from minippo.rl.losses import LOG_RATIO_CLAMP, explained_variance, policy_loss, value_loss
+from minippo.rl.types import RolloutBatch
+
+__all__ = [
+    "AGGREGATION_MODES",
+    "KL_ESTIMATORS",
+    "LOG_RATIO_CLAMP",
+    "GlobalCounts",
+    "RolloutBatch",
+    "aggregate",
+    "chunked_entropy",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "global_counts",
+    "group_advantages",
+    "kl_estimate",
+    "kl_loss",
+    "kl_penalty",
+    "last_token_index",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "place_sequence_rewards",
+    "policy_loss",
+    "split_critic_values",
+    "value_loss",
+]

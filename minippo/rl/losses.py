@@ -1,0 +1,243 @@
+"""PPO policy and value losses (per corrections.md "Notation").
+
+All per-token tensors are response-aligned ``[B, R]``; ``response_mask`` is 1.0 on generated
+tokens. Each loss returns ``(loss, stats)``: ``loss`` is this micro-batch's contribution to the
+aggregated loss (see ``minippo.rl.aggregation.aggregate``), ``stats`` a dict of detached floats.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minippo.rl.aggregation import aggregate
+from minippo.rl.functional import masked_mean, masked_var
+
+# Log-ratios are clamped to ±LOG_RATIO_CLAMP before exp: exp(±20) ∈ [2.1e-9, 4.9e8], finite in
+# float32 and far outside any clip range. Gradient through the clamp is 0 beyond the bound.
+LOG_RATIO_CLAMP = 20.0
+
+
+def _check_shapes(ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    if ref.dim() != 2:
+        raise ValueError(f"expected response-aligned [B, R] tensors, got shape {tuple(ref.shape)}")
+    for name, t in tensors.items():
+        if t is not None and t.shape != ref.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} (response-aligned "
+                "[B, R], like logprobs)"
+            )
+
+
+def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> float:
+    if not bool((mask > 0).any()):
+        return 0.0
+    return float(x[mask > 0].max())
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    anchor_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    weights: torch.Tensor | None = None,
+    keep_mask: torch.Tensor | None = None,
+    agg_mode: str = "token-mean",
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped PPO surrogate against an anchor policy, with IS weights and a keep-mask.
+
+    Per token t (m: response_mask, k: keep_mask, w: weights, a: anchor logprob):
+        r_t = exp(clamp(log π_θ − a_t, ±20))
+        L_t = max(−r_t·A_t, −clip(r_t, 1 − ε_low, 1 + ε_high)·A_t)
+        dual clip (c > 1), for A_t < 0:  L_t = min(L_t, −c·A_t)
+        loss = aggregate(w_t·k_t·L_t, m, agg_mode)
+    The keep-mask only zeroes numerator terms: the denominators count every token of m, so
+    rejecting tokens never rescales the remaining ones.
+
+    Args:
+        logprobs: float [B, R], log π_θ of the sampled tokens (with grad).
+        anchor_logprobs: float [B, R], a_t (no grad; detached here).
+        advantages: float [B, R], A_t (no grad; detached here).
+        response_mask: [B, R], 1.0 on generated tokens.
+        eps_low, eps_high: clip range [1 − ε_low, 1 + ε_high]; ε_low in [0, 1), ε_high ≥ 0.
+        dual_clip: c > 1 to bound the loss of negative-advantage tokens, or None.
+        weights: float [B, R] per-token weights w_t (no grad; detached here), default 1.
+        keep_mask: [B, R] keep-mask k_t (1 keep, 0 reject), default all kept.
+        agg_mode, global_tokens, global_seqs: see ``aggregate``.
+    Returns:
+        loss: float scalar (with grad).
+        stats (detached floats over the kept response tokens m·k; 0 when there are none):
+            train/policy_loss     the returned loss value
+            train/clip_frac_low   fraction with A < 0 and r < 1 − ε_low (clipped, no gradient)
+            train/clip_frac_high  fraction with A > 0 and r > 1 + ε_high (clipped, no gradient)
+            train/dual_clip_frac  fraction where the dual clip binds (0 without dual clip)
+            train/approx_kl       k3 estimate of KL(π_θ ‖ anchor): mean of exp(d) − 1 − d,
+                                  d = a − log π_θ
+            train/ratio_mean, train/ratio_max   of r
+            train/kept_frac       Σ m·k / Σ m
+    """
+    _check_shapes(
+        logprobs,
+        anchor_logprobs=anchor_logprobs,
+        advantages=advantages,
+        response_mask=response_mask,
+        weights=weights,
+        keep_mask=keep_mask,
+    )
+    if not 0.0 <= eps_low < 1.0:
+        raise ValueError(f"eps_low must be in [0, 1) so that 1 - eps_low > 0, got {eps_low}")
+    if eps_high < 0.0:
+        raise ValueError(f"eps_high must be >= 0, got {eps_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
+
+    valid = response_mask > 0
+    kept = valid if keep_mask is None else valid & (keep_mask > 0)
+    advantages = advantages.detach()
+    # rejected and padded tokens get a neutral anchor so a non-finite anchor there cannot
+    # produce nan in the forward or backward pass
+    anchor = torch.where(kept, anchor_logprobs.detach(), logprobs.detach())
+
+    # r_t = exp(log π_θ − a_t), log-ratio clamped to ±20
+    log_ratio = (logprobs - anchor).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    # L_t = max(−r·A, −clip(r, 1 − ε_low, 1 + ε_high)·A)
+    loss_unclipped = -ratio * advantages
+    loss_clipped = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
+    per_token = torch.maximum(loss_unclipped, loss_clipped)
+    if dual_clip is not None:
+        # for A < 0: L = min(L, −c·A)
+        dual_bound = -dual_clip * advantages
+        dual_binds = (advantages < 0) & (per_token > dual_bound)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, dual_bound), per_token)
+    if weights is not None:
+        per_token = per_token * weights.detach()  # w_t · L_t
+    # k_t zeroes the numerator; aggregate's denominators count the full response mask
+    per_token = torch.where(kept, per_token, torch.zeros_like(per_token))
+    loss = aggregate(
+        per_token,
+        response_mask,
+        agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+    )
+
+    with torch.no_grad():
+        kept_f = kept.to(logprobs.dtype)
+        r = ratio.detach()
+        d = -log_ratio.detach()  # d = a − log π_θ
+        n_valid = int(valid.sum())
+        stats = {
+            "train/policy_loss": float(loss.detach()),
+            "train/clip_frac_low": float(
+                masked_mean(((advantages < 0) & (r < 1.0 - eps_low)).to(r.dtype), kept_f)
+            ),
+            "train/clip_frac_high": float(
+                masked_mean(((advantages > 0) & (r > 1.0 + eps_high)).to(r.dtype), kept_f)
+            ),
+            "train/dual_clip_frac": (
+                float(masked_mean(dual_binds.to(r.dtype), kept_f)) if dual_clip is not None else 0.0
+            ),
+            "train/approx_kl": float(masked_mean(torch.expm1(d) - d, kept_f)),
+            "train/ratio_mean": float(masked_mean(r, kept_f)),
+            "train/ratio_max": _masked_max(r, kept_f),
+            "train/kept_frac": float(kept.sum()) / max(n_valid, 1),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_range: float | None = 0.2,
+    coef: float = 1.0,
+    half: bool = True,
+    agg_mode: str = "token-mean",
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss around the old values.
+
+    Per token (ε = clip_range, c = coef, h = 1/2 when ``half`` else 1):
+        V_clip = V_old + clamp(V − V_old, −ε, ε)
+        L_t = c · h · max((V − R)², (V_clip − R)²)      (no clipping: c · h · (V − R)²)
+        loss = aggregate(L, m, agg_mode)
+
+    Args:
+        values: float [B, R], V from the critic being trained (with grad).
+        old_values: float [B, R], V_old, the critic's values when advantages were computed.
+        returns: float [B, R], R, the regression targets (e.g. GAE returns).
+        response_mask: [B, R], 1.0 on generated tokens.
+        clip_range: ε > 0, or None to disable clipping.
+        coef: loss coefficient c ≥ 0 (multiplies the loss and its gradient).
+        half: include the 1/2 factor (so that the gradient of (V − R)² / 2 is V − R).
+        agg_mode, global_tokens, global_seqs: see ``aggregate``.
+    Returns:
+        loss: float scalar (with grad).
+        stats (detached floats over response tokens):
+            train/value_loss, train/value_clip_frac (fraction where the clipped term is larger,
+            i.e. the gradient is cut), train/value_mean, train/returns_mean
+    """
+    _check_shapes(values, old_values=old_values, returns=returns, response_mask=response_mask)
+    if clip_range is not None and clip_range <= 0:
+        raise ValueError(f"clip_range must be > 0 (or None to disable), got {clip_range}")
+    if coef < 0:
+        raise ValueError(f"coef must be >= 0, got {coef}")
+    old_values = old_values.detach()
+    returns = returns.detach()
+    # (V − R)²
+    loss_unclipped = (values - returns) ** 2
+    if clip_range is not None:
+        # V_clip = V_old + clamp(V − V_old, −ε, ε);  L = max((V − R)², (V_clip − R)²)
+        v_clip = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        loss_clipped = (v_clip - returns) ** 2
+        per_token = torch.maximum(loss_unclipped, loss_clipped)
+        clipped = loss_clipped > loss_unclipped
+    else:
+        per_token = loss_unclipped
+        clipped = torch.zeros_like(values, dtype=torch.bool)
+    per_token = coef * (0.5 if half else 1.0) * per_token
+    loss = aggregate(
+        per_token,
+        response_mask,
+        agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+    )
+    with torch.no_grad():
+        stats = {
+            "train/value_loss": float(loss.detach()),
+            "train/value_clip_frac": float(masked_mean(clipped.to(values.dtype), response_mask)),
+            "train/value_mean": float(masked_mean(values.detach(), response_mask)),
+            "train/returns_mean": float(masked_mean(returns, response_mask)),
+        }
+    return loss, stats
+
+
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
+) -> float:
+    """Explained variance of the critic over response tokens: 1 − Var[R − V] / Var[R].
+
+    1 is a perfect critic, 0 is no better than predicting the mean return, < 0 is worse.
+    Variances are unbiased and masked. Returns ``nan`` when Var[R] = 0 (undefined: e.g. every
+    return equal, or fewer than 2 tokens), so a constant target is never reported as a score.
+
+    Args:
+        values, returns: float [B, R]; response_mask: [B, R].
+    """
+    _check_shapes(values, returns=returns, response_mask=response_mask)
+    with torch.no_grad():
+        var_returns = float(masked_var(returns.double(), response_mask))
+        if var_returns == 0.0:
+            return float("nan")
+        var_residual = float(masked_var((returns - values).double(), response_mask))
+        return 1.0 - var_residual / var_returns

@@ -1,0 +1,381 @@
+"""RolloutQueue: staleness bound, synchronous mode, partial rollouts, resume, batch layout.
+
+Most tests drive the queue with ``FakeEngine`` (a protocol implementation whose tokens are cheap
+and whose decode steps take random time), the last ones with a real TorchEngine on a tiny model.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from minippo.engine import Completion, GenerateRequest, SamplingParams, validate_requests
+from minippo.training.rollout_queue import (
+    PromptsExhausted,
+    RolloutQueue,
+    collate_completions,
+    prompt_ids_of,
+)
+
+
+class FakeEngine:
+    """RolloutEngine whose token t of a request is (seed + t) % 50 + 1, one token per step.
+
+    Every step sleeps a random time (``step_s`` * U(0, 2)); pause/resume/publish/abort follow the
+    protocol, and each token is stamped with the version current at its step.
+    """
+
+    def __init__(self, step_s: float = 0.001, seed: int = 0) -> None:
+        self._version = 0
+        self._cond = threading.Condition()
+        self._paused = False
+        self._abort = False
+        self._rng = random.Random(seed)
+        self.step_s = step_s
+        self.generate_calls = 0
+        self.publishes: list[int] = []
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def generate(self, requests):
+        validate_requests(requests, max_seq_len=4096)
+        self.generate_calls += 1
+        outs = [([], [], []) for _ in requests]
+        done = [None] * len(requests)
+        while any(d is None for d in done):
+            with self._cond:
+                while self._paused and not self._abort:
+                    self._cond.wait()
+                if self._abort:
+                    done = [d or "abort" for d in done]
+                    break
+                for i, r in enumerate(requests):
+                    if done[i] is not None:
+                        continue
+                    toks, lps, vs = outs[i]
+                    tok = (r.params.seed + len(toks)) % 50 + 1
+                    toks.append(tok)
+                    lps.append(-float(tok) / 100)
+                    vs.append(self._version)
+                    if tok in r.params.stop_token_ids:
+                        done[i] = "stop"
+                    elif len(toks) >= r.params.max_new_tokens:
+                        done[i] = "length"
+            time.sleep(self.step_s * 2 * self._rng.random())
+        with self._cond:
+            self._abort = False
+        return [
+            Completion(r.request_id, list(r.prompt_ids), t, lp, v, d)
+            for r, (t, lp, v), d in zip(requests, outs, done)
+        ]
+
+    def publish_weights(self, buckets, version):
+        with self._cond:
+            for _ in buckets:
+                pass
+            self._version = version
+            self.publishes.append(version)
+
+    def pause(self):
+        with self._cond:
+            self._paused = True
+
+    def resume(self):
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def abort(self):
+        with self._cond:
+            self._abort = True
+            self._cond.notify_all()
+        return []
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+def prompts(n: int):
+    return [{"prompt_ids": [1 + i % 7, 2, 3][: 1 + i % 3], "answer": i} for i in range(n)]
+
+
+def run_loop(queue: RolloutQueue, steps: int, train_s: float = 0.0, rng=None):
+    """The recipe's loop: get batch, 'train', publish version step + 1."""
+    out = []
+    queue.start()
+    for step in range(steps):
+        qb = queue.get_batch(step, timeout=30)
+        out.append(qb)
+        if train_s:
+            time.sleep(train_s * (2 * rng.random() if rng else 1.0))
+        queue.publish([[("w", torch.zeros(1))]], version=step + 1)
+    queue.close()
+    return out
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+@pytest.mark.parametrize("partial", [False, True])
+def test_staleness_bound_holds_under_random_timing(max_staleness, partial):
+    rng = random.Random(max_staleness * 10 + partial)
+    for trial in range(3):
+        eng = FakeEngine(step_s=0.0005 * (trial + 1), seed=trial)
+        q = RolloutQueue(
+            eng,
+            prompts(40),
+            groups_per_batch=2,
+            samples_per_prompt=2,
+            sampling=SamplingParams(max_new_tokens=rng.randint(3, 30), stop_token_ids=(7,)),
+            max_staleness=max_staleness,
+            partial_rollout=partial,
+        )
+        batches = run_loop(q, 8, train_s=0.003, rng=rng)
+        for step, qb in enumerate(batches):
+            v = qb.batch.versions[qb.batch.versions >= 0]
+            assert int(v.min()) >= step - max_staleness, (step, v.tolist())
+            assert int(v.max()) <= step
+            assert qb.metrics["rollout/staleness_max"] <= max_staleness
+            assert qb.metrics["rollout/staleness_min"] >= 0
+            if not partial:  # without partial rollouts no response spans two versions
+                for s in qb.samples:
+                    assert len(set(s.completion.versions)) == 1
+
+
+def test_max_staleness_zero_is_the_synchronous_loop():
+    """Batch s is generated only after version s is published, entirely by version s."""
+    eng = FakeEngine()
+    q = RolloutQueue(
+        eng,
+        prompts(30),
+        groups_per_batch=3,
+        samples_per_prompt=2,
+        sampling=SamplingParams(max_new_tokens=6),
+        max_staleness=0,
+    )
+    batches = run_loop(q, 5, train_s=0.01)
+    for step, qb in enumerate(batches):
+        assert set(qb.batch.versions[qb.batch.versions >= 0].tolist()) == {step}
+        assert qb.metrics["rollout/start_version"] == step
+        assert qb.metrics["rollout/staleness_max"] == 0
+    assert eng.generate_calls == 5  # no batch generated ahead (the 6th would need version 5)
+
+
+def test_async_generates_ahead_and_counts_capacity_waits():
+    eng = FakeEngine()
+    q = RolloutQueue(
+        eng,
+        prompts(30),
+        groups_per_batch=2,
+        samples_per_prompt=1,
+        sampling=SamplingParams(max_new_tokens=3),
+        max_staleness=2,
+    )
+    q.start()
+    deadline = time.time() + 10
+    while q.metrics()["rollout/buffered_batches"] < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    # batches 0, 1, 2 may start under version 0; batch 3 must wait for version 1
+    assert q.metrics()["rollout/buffered_batches"] == 3
+    assert eng.generate_calls == 3
+    qb = q.get_batch(0)
+    assert qb.metrics["rollout/capacity_waits"] >= 1
+    q.publish([], version=1)
+    qb1 = q.get_batch(1, timeout=10)
+    assert qb1.metrics["rollout/staleness_max"] == 1  # generated under v0, consumed at step 1
+    q.close()
+
+
+def test_partial_rollout_keeps_per_token_versions():
+    """A publish during a long generation splits responses into old-version | new-version runs."""
+    eng = FakeEngine(step_s=0.002)
+    q = RolloutQueue(
+        eng,
+        prompts(10),
+        groups_per_batch=1,
+        samples_per_prompt=2,
+        sampling=SamplingParams(max_new_tokens=300),
+        max_staleness=1,
+        partial_rollout=True,
+    )
+    q.start()
+    b0 = q.get_batch(0, timeout=30)
+    time.sleep(0.05)  # batch 1 is now being generated under version 0
+    q.publish([], version=1)
+    b1 = q.get_batch(1, timeout=30)
+    q.close()
+    assert set(b0.batch.versions[b0.batch.versions >= 0].tolist()) == {0}
+    for s in b1.samples:
+        v = s.completion.versions
+        assert v == sorted(v) and set(v) == {0, 1}, v  # spans both, old first
+    assert b1.metrics["rollout/partial_frac"] == 1.0
+    # the per-token versions land in the batch tensor at the right positions
+    for row, s in enumerate(b1.samples):
+        n = len(s.completion.versions)
+        assert b1.batch.versions[row, :n].tolist() == s.completion.versions
+
+
+def test_publish_without_partial_rollout_waits_for_running_generation():
+    eng = FakeEngine(step_s=0.002)
+    q = RolloutQueue(
+        eng,
+        prompts(10),
+        groups_per_batch=1,
+        samples_per_prompt=2,
+        sampling=SamplingParams(max_new_tokens=100),
+        max_staleness=1,
+        partial_rollout=False,
+    )
+    q.start()
+    q.get_batch(0, timeout=30)
+    time.sleep(0.02)
+    q.publish([], version=1)
+    b1 = q.get_batch(1, timeout=30)
+    q.close()
+    for s in b1.samples:
+        assert set(s.completion.versions) == {0}
+    assert b1.metrics["rollout/publish_drain_wait_s"] > 0
+
+
+def test_batch_layout_rewards_and_metadata():
+    eng = FakeEngine()
+    seen = []
+
+    def reward_fn(sample):
+        seen.append(sample.prompt["answer"])
+        return float(sample.completion.token_ids[0] == sample.prompt["answer"] % 50 + 1)
+
+    q = RolloutQueue(
+        eng,
+        prompts(12),
+        groups_per_batch=3,
+        samples_per_prompt=2,
+        sampling=SamplingParams(max_new_tokens=5, stop_token_ids=(4,)),
+        reward_fn=reward_fn,
+        decode=lambda ids: " ".join(map(str, ids)),
+        pad_id=0,
+    )
+    (qb,) = run_loop(q, 1)
+    b = qb.batch
+    assert b.batch_size == 6 and b.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    assert [s.prompt["answer"] for s in qb.samples] == [0, 0, 1, 1, 2, 2]
+    assert seen == [0, 0, 1, 1, 2, 2]
+    P = b.prompt_len
+    for row, s in enumerate(qb.samples):
+        c = s.completion
+        lp, lr = len(c.prompt_ids), len(c.token_ids)
+        assert b.input_ids[row, P - lp : P].tolist() == c.prompt_ids
+        assert b.input_ids[row, P : P + lr].tolist() == c.token_ids
+        assert (
+            not b.attention_mask[row, : P - lp].any()
+            and b.attention_mask[row, P - lp : P + lr].all()
+        )
+        assert not b.attention_mask[row, P + lr :].any()
+        assert b.position_ids[row, P - lp : P + lr].tolist() == list(range(lp + lr))
+        assert b.response_mask[row].sum() == lr
+        assert torch.allclose(b.rollout_logprobs[row, :lr], torch.tensor(c.logprobs))
+        assert (b.versions[row, lr:] == -1).all()
+        assert bool(b.truncated[row]) == (c.finish_reason == "length")
+        assert s.text == " ".join(map(str, c.token_ids))
+        assert b.rewards[row] == s.reward
+    # different samples of one prompt get different seeds
+    assert qb.samples[0].completion.token_ids != qb.samples[1].completion.token_ids
+
+
+def test_resume_reproduces_the_uninterrupted_sequence():
+    def make(version=0):
+        eng = FakeEngine()
+        eng._version = version  # a resumed engine is built from the checkpoint's weights
+        return RolloutQueue(
+            eng,
+            prompts(30),
+            groups_per_batch=2,
+            samples_per_prompt=2,
+            sampling=SamplingParams(max_new_tokens=4),
+            max_staleness=1,
+            seed=5,
+        )
+
+    full = run_loop(make(), 5)
+    q = make()
+    q.start()
+    for step in range(2):
+        q.get_batch(step, timeout=10)
+        q.publish([], version=step + 1)
+    state = q.state_dict()
+    q.close()
+    assert state == {"next_step": 2, "prompts_consumed": 4, "seed": 5}
+    q2 = make(version=2)
+    q2.load_state_dict(state)
+    q2.start()
+    for step in (2, 3, 4):
+        qb = q2.get_batch(step, timeout=10)
+        ref = full[step]
+        assert torch.equal(qb.batch.input_ids, ref.batch.input_ids)
+        assert [s.prompt for s in qb.samples] == [s.prompt for s in ref.samples]
+        q2.publish([], version=step + 1)
+    q2.close()
+
+
+def test_errors_are_clear():
+    eng = FakeEngine()
+    with pytest.raises(ValueError, match="max_staleness"):
+        RolloutQueue(eng, prompts(4), groups_per_batch=1, max_staleness=-1)
+    with pytest.raises(ValueError, match="groups_per_batch"):
+        RolloutQueue(eng, prompts(4), groups_per_batch=0)
+    with pytest.raises(ValueError, match="top_p"):
+        RolloutQueue(eng, prompts(4), groups_per_batch=1, sampling=SamplingParams(top_p=2.0))
+    q = RolloutQueue(eng, prompts(3), groups_per_batch=2, sampling=SamplingParams(max_new_tokens=2))
+    q.start()
+    with pytest.raises(ValueError, match="out of order"):
+        q.get_batch(1)
+    q.get_batch(0, timeout=10)
+    with pytest.raises(RuntimeError, match="version >= 1"):  # forgot to publish (synchronous)
+        q.get_batch(1, timeout=10)
+    q.publish([], version=1)
+    with pytest.raises(PromptsExhausted):
+        q.get_batch(1, timeout=10)
+    q.close()
+    # an error in the producer (an invalid prompt) surfaces in get_batch, not as a hang
+    q = RolloutQueue(eng, [{"prompt_ids": []}], groups_per_batch=1)
+    q.start()
+    with pytest.raises(RuntimeError, match="producer") as info:
+        q.get_batch(0, timeout=10)
+    assert "empty prompt" in str(info.value.__cause__)
+    q.close()
+
+
+def test_close_aborts_a_running_generation():
+    eng = FakeEngine(step_s=0.01)
+    q = RolloutQueue(
+        eng, prompts(4), groups_per_batch=1, sampling=SamplingParams(max_new_tokens=10_000 // 4)
+    )
+    q.start()
+    time.sleep(0.05)
+    t0 = time.time()
+    q.close()
+    assert time.time() - t0 < 5
+
+
+def test_prompt_ids_of_and_collate_checks():
+    assert prompt_ids_of([3, 4]) == [3, 4]
+    assert prompt_ids_of({"prompt_ids": torch.tensor([5])}) == [5]
+    with pytest.raises(KeyError, match="prompt_ids"):
+        prompt_ids_of({"ids": [1]})
+    c = Completion("a", [1, 2], [], [], [], "abort")
+    b = collate_completions([c], [0])
+    assert b.response_mask.shape == (1, 1) and b.response_mask.sum() == 0
+    with pytest.raises(ValueError, match="same length"):
+        Completion("a", [1], [1, 2], [0.0], [0], "stop")
+    assert isinstance(GenerateRequest([1]).params, SamplingParams)

@@ -8,6 +8,8 @@ Public names:
         qwen3_8b, qwen2_5_0_5b, llama3_2_1b
     token_logprobs(model, input_ids, *, attention_mask, position_ids, temperature, start, chunk_size)
         -> [B, S - start];  token_logprobs_and_entropy(...) -> (logprobs, entropy)
+    Tokenizer (Protocol: encode, decode, apply_chat_template, eos_id, eos_ids, pad_id, bos_id,
+        vocab_size); TinyTokenizer() built-in char tokenizer; load_tokenizer(path) -> HFTokenizer
 """
 
 from minippo.models.logprobs import token_logprobs, token_logprobs_and_entropy
@@ -27,15 +29,20 @@ from minippo.models.model import (
     qwen3_tiny,
     rope_inv_freq,
 )
+from minippo.models.tokenizer import HFTokenizer, TinyTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "HFTokenizer",
     "KVCache",
     "ModelArgs",
+    "TinyTokenizer",
+    "Tokenizer",
     "Transformer",
     "ValueModel",
     "init_weights",
     "llama3_2_1b",
+    "load_tokenizer",
     "qwen2_5_0_5b",
     "qwen3_0_6b",
     "qwen3_1_7b",

@@ -96,7 +96,9 @@ def kl_loss(
         raise ValueError(
             f"response_mask {tuple(response_mask.shape)} must match logprobs {tuple(logprobs.shape)}"
         )
-    kl = kl_estimate(logprobs, ref_logprobs.detach(), kind)
+    # padded positions get ref = log π (kl 0) so a non-finite value there cannot reach the gradient
+    ref = torch.where(response_mask > 0, ref_logprobs.detach(), logprobs.detach())
+    kl = kl_estimate(logprobs, ref, kind)
     loss = aggregate(
         kl, response_mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs
     )

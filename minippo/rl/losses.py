@@ -98,10 +98,12 @@ def policy_loss(
 
     valid = response_mask > 0
     kept = valid if keep_mask is None else valid & (keep_mask > 0)
-    advantages = advantages.detach()
-    # rejected and padded tokens get a neutral anchor so a non-finite anchor there cannot
-    # produce nan in the forward or backward pass
+    # rejected and padded tokens get neutral inputs (anchor = log π_θ, A = 0, w = 1) so that a
+    # non-finite value there cannot produce nan in the forward or the backward pass
+    advantages = torch.where(kept, advantages.detach(), torch.zeros_like(advantages))
     anchor = torch.where(kept, anchor_logprobs.detach(), logprobs.detach())
+    if weights is not None:
+        weights = torch.where(kept, weights.detach(), torch.ones_like(weights))
 
     # r_t = exp(log π_θ − a_t), log-ratio clamped to ±20
     log_ratio = (logprobs - anchor).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -116,7 +118,7 @@ def policy_loss(
         dual_binds = (advantages < 0) & (per_token > dual_bound)
         per_token = torch.where(advantages < 0, torch.minimum(per_token, dual_bound), per_token)
     if weights is not None:
-        per_token = per_token * weights.detach()  # w_t · L_t
+        per_token = per_token * weights  # w_t · L_t
     # k_t zeroes the numerator; aggregate's denominators count the full response mask
     per_token = torch.where(kept, per_token, torch.zeros_like(per_token))
     loss = aggregate(
@@ -191,8 +193,10 @@ def value_loss(
         raise ValueError(f"clip_range must be > 0 (or None to disable), got {clip_range}")
     if coef < 0:
         raise ValueError(f"coef must be >= 0, got {coef}")
-    old_values = old_values.detach()
-    returns = returns.detach()
+    # padded positions get neutral targets so a non-finite value there cannot reach the gradient
+    valid = response_mask > 0
+    old_values = torch.where(valid, old_values.detach(), values.detach())
+    returns = torch.where(valid, returns.detach(), values.detach())
     # (V − R)²
     loss_unclipped = (values - returns) ** 2
     if clip_range is not None:

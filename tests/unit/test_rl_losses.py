@@ -158,3 +158,25 @@ def test_explained_variance():
     assert explained_variance(values, returns, mask) == pytest.approx(1 - var_res / 1.0)
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
     assert math.isnan(explained_variance(values, torch.ones(1, 4), mask))
+
+
+def test_nan_in_padding_never_reaches_loss_or_grad():
+    from minippo.rl.kl import kl_loss
+
+    nan = float("nan")
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    logp = torch.tensor([[-0.5, -1.0, -2.0]], requires_grad=True)
+    junk = torch.tensor([[0.1, 0.2, nan]])
+    keep = torch.tensor([[1.0, 0.0, 1.0]])
+    weights = torch.tensor([[1.0, nan, nan]])
+    anchor = torch.tensor([[-0.4, nan, nan]])
+    values = torch.tensor([[0.3, 0.4, 0.5]], requires_grad=True)
+    losses = [
+        policy_loss(logp, anchor, junk, mask, weights=weights, keep_mask=keep, dual_clip=2.0)[0],
+        value_loss(values, junk, junk, mask)[0],
+        kl_loss(logp, junk, mask)[0],
+    ]
+    for loss in losses:
+        assert torch.isfinite(loss)
+    grads = torch.autograd.grad(sum(losses), (logp, values))
+    assert all(torch.isfinite(g).all() for g in grads)

@@ -8,10 +8,25 @@ Public names:
         qwen3_8b, qwen2_5_0_5b, llama3_2_1b
     token_logprobs(model, input_ids, *, attention_mask, position_ids, temperature, start, chunk_size)
         -> [B, S - start];  token_logprobs_and_entropy(...) -> (logprobs, entropy)
+    HF folders: from_pretrained(path, dtype, device) -> Transformer; save_pretrained(model, path, *,
+        max_shard_bytes); save_pretrained_state_dict(native_sd, args, path); load_hf_state_dict;
+        value_model_from_pretrained; model_args_from_hf_config(dict); hf_config_from_model_args;
+        hf_name(native) / native_name(hf)
     Tokenizer (Protocol: encode, decode, apply_chat_template, eos_id, eos_ids, pad_id, bos_id,
         vocab_size); TinyTokenizer() built-in char tokenizer; load_tokenizer(path) -> HFTokenizer
 """
 
+from minippo.models.checkpoint import (
+    from_pretrained,
+    hf_config_from_model_args,
+    hf_name,
+    load_hf_state_dict,
+    model_args_from_hf_config,
+    native_name,
+    save_pretrained,
+    save_pretrained_state_dict,
+    value_model_from_pretrained,
+)
 from minippo.models.logprobs import token_logprobs, token_logprobs_and_entropy
 from minippo.models.model import (
     SUPPORTED_ARCHITECTURES,
@@ -40,9 +55,15 @@ __all__ = [
     "Tokenizer",
     "Transformer",
     "ValueModel",
+    "from_pretrained",
+    "hf_config_from_model_args",
+    "hf_name",
     "init_weights",
     "llama3_2_1b",
+    "load_hf_state_dict",
     "load_tokenizer",
+    "model_args_from_hf_config",
+    "native_name",
     "qwen2_5_0_5b",
     "qwen3_0_6b",
     "qwen3_1_7b",
@@ -50,6 +71,9 @@ __all__ = [
     "qwen3_8b",
     "qwen3_tiny",
     "rope_inv_freq",
+    "save_pretrained",
+    "save_pretrained_state_dict",
     "token_logprobs",
     "token_logprobs_and_entropy",
+    "value_model_from_pretrained",
 ]

@@ -1,0 +1,599 @@
+"""Behaviour-policy corrections (docs/corrections.md): weights and masks against hand-computed
+values, exact old-actor anchors, EWMA against a float64 reference, resets, shared anchors across
+epochs and minibatches, resume."""
+
+import math
+
+import pytest
+import torch
+
+from minippo.models import Transformer, init_weights, qwen3_tiny, token_logprobs
+from minippo.rl import policy_loss
+from minippo.rl.correction import (
+    EWMA,
+    METHODS,
+    TIS,
+    KeepOldActor,
+    LogLinearProx,
+    NoCorrection,
+    RolloutLogprobs,
+    discrepancy_weights,
+    local_shards,
+    loglinear_alpha,
+    loglinear_prox_weights,
+    symmetric_mask_weights,
+    truncated_is_weights,
+)
+from minippo.rl.types import RolloutBatch
+
+P, R, V = 3, 4, 64
+
+
+def make_model(seed: int = 0) -> Transformer:
+    # std 0.5 so that logprobs differ clearly between weight versions
+    return init_weights(Transformer(qwen3_tiny(V)), seed=seed, std=0.5)
+
+
+def perturb(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def weights_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def model_with(weights: list[torch.Tensor]) -> Transformer:
+    fresh = Transformer(qwen3_tiny(V))
+    with torch.no_grad():
+        for p, w in zip(fresh.parameters(), weights):
+            p.copy_(w)
+    return fresh
+
+
+def score(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+    with torch.no_grad():
+        return token_logprobs(
+            model,
+            batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            temperature=temperature,
+            start=batch.prompt_len,
+        )
+
+
+def make_batch(versions: list[list[int]], seed: int = 0) -> RolloutBatch:
+    """Rows of R response tokens; -1 in ``versions`` marks padding (right-padded)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(versions)
+    v = torch.tensor(versions, dtype=torch.int64)
+    resp_mask = (v >= 0).float()
+    prompt_mask = torch.ones(B, P, dtype=torch.bool)
+    prompt_mask[0, 0] = False  # one left-padded prompt
+    attn = torch.cat([prompt_mask, resp_mask.bool()], dim=1)
+    pos = (attn.long().cumsum(1) - 1).clamp(min=0) * attn.long()
+    ids = torch.randint(1, V, (B, P + R), generator=g) * attn.long()
+    mu = torch.where(resp_mask > 0, -torch.rand(B, R, generator=g) * 3 - 0.5, 0.0)
+    return RolloutBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        position_ids=pos,
+        response_mask=resp_mask,
+        rollout_logprobs=mu,
+        versions=v,
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B),
+        truncated=torch.zeros(B, dtype=torch.bool),
+    )
+
+
+class ForwardCounter:
+    def __init__(self, model):
+        self.n = 0
+        model.register_forward_hook(lambda *a: self._hit())
+
+    def _hit(self):
+        self.n += 1
+
+
+# ------------------------------------------------------------------------------------------
+# pure weight functions against arithmetic
+# ------------------------------------------------------------------------------------------
+
+L2, L3, L05 = math.log(2.0), math.log(3.0), math.log(0.5)
+
+
+def test_tis_token_truncate_and_mask():
+    mu = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+    # log ρ = [ln 3, ln 0.5, 0, pad]
+    anchor = mu + torch.tensor([[L3, L05, 0.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w = truncated_is_weights(anchor, mu, mask, level="token", mode="truncate", low=0.6, cap=2.0)
+    torch.testing.assert_close(w.weights, torch.tensor([[2.0, 0.6, 1.0, 0.0]]))
+    torch.testing.assert_close(w.keep, torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+    assert w.high.tolist() == [[True, False, False, False]]
+    assert w.low.tolist() == [[False, True, False, False]]
+    w = truncated_is_weights(anchor, mu, mask, level="token", mode="mask", low=0.6, cap=2.0)
+    torch.testing.assert_close(w.weights, torch.tensor([[0.0, 0.0, 1.0, 0.0]]))
+    torch.testing.assert_close(w.keep, torch.tensor([[0.0, 0.0, 1.0, 0.0]]))
+    # boundaries are inside: ρ = cap exactly is kept in mask mode
+    w = truncated_is_weights(mu + L2, mu, mask, mode="mask", cap=2.0)
+    torch.testing.assert_close(w.weights, torch.tensor([[2.0, 2.0, 2.0, 0.0]]))
+
+
+def test_tis_sequence_and_geometric_levels():
+    mu = torch.zeros(2, 3)
+    d = torch.tensor([[L2, L05 / 2, 0.3], [0.1, 0.2, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    # sequence: ρ = exp(Σ m d): row 0 exp(ln2 − ln2/2) = √2, row 1 exp(0.3)
+    w = truncated_is_weights(mu + d, mu, mask, level="sequence", cap=10.0)
+    expected = torch.tensor([[math.sqrt(2)] * 2 + [0.0], [math.exp(0.3)] * 3])
+    torch.testing.assert_close(w.weights, expected)
+    # geometric: ρ = exp(Σ m d / Σ m): row 0 exp((ln2/2)/2) = 2^(1/4), row 1 exp(0.1)
+    w = truncated_is_weights(mu + d, mu, mask, level="geometric", cap=10.0)
+    expected = torch.tensor([[2**0.25] * 2 + [0.0], [math.exp(0.1)] * 3])
+    torch.testing.assert_close(w.weights, expected)
+    # sequence mask mode with cap 1.2: row 0 (√2) rejected whole, row 1 (1.35) too; cap 1.5 keeps 0
+    w = truncated_is_weights(mu + d, mu, mask, level="sequence", mode="mask", cap=1.5)
+    assert w.keep.tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+    w = truncated_is_weights(mu + d, mu, mask, level="sequence", mode="mask", cap=1.2)
+    assert w.keep.tolist() == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert w.high.sum() == 5
+
+
+def test_log_ratio_clamped_and_nonfinite_rejected():
+    mu = torch.zeros(2, 2)
+    anchor = torch.tensor([[50.0, float("nan")], [0.0, 1.0]])
+    mask = torch.ones(2, 2)
+    w = truncated_is_weights(anchor, mu, mask, level="token", cap=1e30)
+    assert w.weights[0, 0] == pytest.approx(math.exp(20.0), rel=1e-6)  # clamped at +20
+    assert w.keep.tolist() == [[1.0, 0.0], [1.0, 1.0]]
+    assert w.nonfinite.tolist() == [[False, True], [False, False]]
+    # at sequence level the whole row with a nan is rejected
+    w = truncated_is_weights(anchor, mu, mask, level="sequence", cap=1e30)
+    assert w.keep.tolist() == [[0.0, 0.0], [1.0, 1.0]]
+    assert int(w.nonfinite.sum()) == 2
+
+
+def test_discrepancy_and_symmetric_mask_weights():
+    mu = torch.zeros(1, 4)
+    anchor = torch.tensor([[L3, L05, math.log(0.4), 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w = discrepancy_weights(anchor, mu, mask, cap=2.0)  # clamp(ρ, 0, 2)
+    torch.testing.assert_close(w.weights, torch.tensor([[2.0, 0.5, 0.4, 0.0]]))
+    assert w.keep.tolist() == [[1.0, 1.0, 1.0, 0.0]]
+    w = discrepancy_weights(anchor, mu, mask, cap=None)
+    torch.testing.assert_close(w.weights, torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+    w = symmetric_mask_weights(anchor, mu, mask, cap=2.0)  # keep ρ ∈ [0.5, 2]
+    torch.testing.assert_close(w.weights, torch.tensor([[0.0, 0.5, 0.0, 0.0]]))
+    assert w.keep.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    assert w.high.tolist() == [[True, False, False, False]]
+    assert w.low.tolist() == [[False, False, True, False]]
+
+
+def test_loglinear_alpha_and_weights():
+    versions = torch.tensor([[5, 4, 3, 1, -1]])
+    mask = (versions >= 0).float()
+    alpha = loglinear_alpha(versions, mask, step=5)
+    # α = clamp((v_k − 1 − v_t)/(v_k − v_t), 0, 1): lag 0 → 0, 1 → 0, 2 → 1/2, 4 → 3/4, pad → 0
+    torch.testing.assert_close(alpha, torch.tensor([[0.0, 0.0, 0.5, 0.75, 0.0]]))
+    mu = torch.tensor([[-1.0, -1.0, -2.0, -3.0, 0.0]])
+    lp = torch.tensor([[-0.5, -0.5, -1.0, -1.0, -7.0]])
+    anchor, w = loglinear_prox_weights(lp, mu, alpha, mask, cap=1.5)
+    # a = μ + α(lp − μ): [-1, -1, -1.5, -3 + 0.75·2 = -1.5, 0 (pad)]
+    torch.testing.assert_close(anchor, torch.tensor([[-1.0, -1.0, -1.5, -1.5, 0.0]]))
+    # w = min(exp(a − μ), 1.5): [1, 1, e^0.5 = 1.6487 → 1.5, e^1.5 → 1.5, 0]
+    torch.testing.assert_close(w.weights, torch.tensor([[1.0, 1.0, 1.5, 1.5, 0.0]]))
+    assert w.high.tolist() == [[False, False, True, True, False]]
+
+
+# ------------------------------------------------------------------------------------------
+# metrics
+# ------------------------------------------------------------------------------------------
+
+
+def test_metrics_hand_computed():
+    batch = make_batch([[0, 0, 0, -1], [1, 1, -1, -1]])
+    mu = batch.rollout_logprobs
+    d = torch.tensor([[L3, L05, 0.0, 0.0], [0.2, -0.1, 0.0, 0.0]])
+
+    def fixed_score(model, b):
+        return mu + d
+
+    corr = TIS(level="token", mode="mask", low=0.6, cap=2.0, score_fn=fixed_score)
+    out = corr.prepare(batch, torch.nn.Linear(1, 1), step=2)
+    m = out.metrics
+    # 5 tokens: ρ = 3 (masked high), 0.5 (masked low), 1, e^0.2, e^-0.1 kept
+    kept_w = [1.0, math.exp(0.2), math.exp(-0.1)]
+    assert m["correction/tokens"] == 5
+    assert m["correction/retained_fraction"] == pytest.approx(3 / 5)
+    assert m["correction/is_weight_mean"] == pytest.approx(sum(kept_w) / 3)
+    assert m["correction/is_weight_max"] == pytest.approx(math.exp(0.2))
+    assert m["correction/is_weight_min"] == pytest.approx(math.exp(-0.1))
+    assert m["correction/frac_masked_high"] == pytest.approx(1 / 5)
+    assert m["correction/frac_masked_low"] == pytest.approx(1 / 5)
+    assert m["correction/frac_truncated_high"] == 0.0
+    absd = [L3, -L05, 0.0, 0.2, 0.1]
+    assert m["correction/abs_diff_mean"] == pytest.approx(sum(absd) / 5, rel=1e-5)
+    assert m["correction/abs_diff_max"] == pytest.approx(L3, rel=1e-6)
+    k3 = [
+        (r - 1) - math.log(r) for r in (3.0, 0.5, 1.0, math.exp(0.2), math.exp(-0.1))
+    ]  # KL(μ‖π_anchor) k3: (ρ − 1) − log ρ
+    assert m["correction/kl_k3"] == pytest.approx(sum(k3) / 5, rel=1e-5)
+    # staleness = step − v over the 5 tokens: 2, 2, 2, 1, 1
+    assert m["correction/staleness_min"] == 1
+    assert m["correction/staleness_max"] == 2
+    assert m["correction/staleness_mean"] == pytest.approx(8 / 5)
+    assert m["correction/forward_passes"] == 1
+    # anchors are 0 on padding
+    assert out.anchor_logprobs[0, 3] == 0 and out.anchor_logprobs[1, 2:].eq(0).all()
+
+
+def test_versions_newer_than_step_refused():
+    batch = make_batch([[3, 3, 3, 3]])
+    with pytest.raises(ValueError, match=r"versions must lie in \[0, step=2\]"):
+        RolloutLogprobs().prepare(batch, torch.nn.Linear(1, 1), step=2)
+
+
+# ------------------------------------------------------------------------------------------
+# simple methods
+# ------------------------------------------------------------------------------------------
+
+
+def test_rollout_logprobs_no_forward_and_anchor_is_mu():
+    model = make_model()
+    counter = ForwardCounter(model)
+    batch = make_batch([[0, 0, 1, -1], [1, 1, 1, 1]])
+    out = RolloutLogprobs().prepare(batch, model, step=1)
+    assert counter.n == 0 and out.metrics["correction/forward_passes"] == 0
+    assert torch.equal(out.anchor_logprobs, batch.rollout_logprobs)
+    assert torch.equal(out.weights, batch.response_mask)
+    assert torch.equal(out.keep_mask, batch.response_mask)
+
+
+@pytest.mark.parametrize("cls", [NoCorrection, TIS])
+def test_current_weight_anchor_methods_score_once(cls):
+    model = make_model()
+    counter = ForwardCounter(model)
+    batch = make_batch([[0, 0, 1, -1], [1, 1, 1, 1]])
+    out = cls(temperature=0.7).prepare(batch, model, step=1)
+    assert counter.n == 1
+    expected = score(model, batch, temperature=0.7) * batch.response_mask
+    assert torch.equal(out.anchor_logprobs, expected)
+
+
+def test_greedy_temperature_scores_at_one():
+    model = make_model()
+    batch = make_batch([[0, 0, 0, 0]])
+    out = NoCorrection(temperature=0.0).prepare(batch, model, step=0)
+    assert torch.equal(out.anchor_logprobs, score(model, batch, temperature=1.0))
+
+
+# ------------------------------------------------------------------------------------------
+# keep_old_actor
+# ------------------------------------------------------------------------------------------
+
+
+def _three_versions():
+    """Actor that published versions 0, 1, 2 (weights w0, w1, w2) and then trained further."""
+    model = make_model()
+    corr = KeepOldActor(max_staleness=2)
+    saved = []
+    for v in range(3):
+        saved.append(weights_of(model))
+        corr.on_weights_published(v, model)
+        perturb(model, seed=10 + v)
+    return model, corr, saved
+
+
+def test_keep_old_actor_exact_per_token_versions():
+    model, corr, saved = _three_versions()
+    current = weights_of(model)
+    counter = ForwardCounter(model)
+    # row 1 spans versions 0 → 1 (a partial rollout), row 2 spans 1 → 2
+    batch = make_batch([[0, 0, 0, -1], [0, 0, 1, 1], [1, 2, 2, 2], [2, 2, -1, -1]])
+    out = corr.prepare(batch, model, step=2)
+    assert counter.n == 3
+    assert out.metrics["correction/version_mismatches"] == 0
+    assert out.metrics["correction/versions_in_batch"] == 3
+    refs = [score(model_with(w), batch) for w in saved]
+    for b in range(4):
+        for j in range(R):
+            v = int(batch.versions[b, j])
+            expected = refs[v][b, j] if v >= 0 else torch.tensor(0.0)
+            # bit for bit: the anchor comes from the forward of the token's own version
+            assert torch.equal(out.anchor_logprobs[b, j], expected), (b, j, v)
+    # the actor's weights are restored exactly
+    for p, w in zip(model.parameters(), current):
+        assert torch.equal(p, w)
+    rho = torch.exp(out.anchor_logprobs - batch.rollout_logprobs).clamp(max=2.0)
+    torch.testing.assert_close(out.weights, rho * batch.response_mask)
+
+
+def test_keep_old_actor_bytes_and_eviction():
+    model, corr, _ = _three_versions()
+    numel = sum(p.numel() for p in model.parameters())
+    assert corr.live_versions == [0, 1, 2]
+    assert corr.snapshot_bytes == 3 * numel * 4  # numel × element size per live version
+    corr.retain([1])  # version 2 is the latest published: always kept
+    assert corr.live_versions == [1, 2]
+    assert corr.snapshot_bytes == 2 * numel * 4
+    with pytest.raises(
+        ValueError, match=r"versions \[0\] are still referenced but have no snapshot"
+    ):
+        corr.retain([0, 2])
+    corr.release_versions_below(2)
+    assert corr.live_versions == [2]
+    corr.on_weights_published(3, model)
+    corr.retain([])
+    assert corr.live_versions == [3]
+
+
+def test_keep_old_actor_prepare_releases_versions_out_of_the_staleness_window():
+    model, corr, _ = _three_versions()  # max_staleness = 2
+    out = corr.prepare(make_batch([[0, 1, 2, 2]]), model, step=2)
+    # batch 3 may only hold v >= 3 − 2 = 1: version 0 is gone
+    assert corr.live_versions == [1, 2]
+    assert out.metrics["correction/snapshot_versions"] == 2
+
+
+def test_keep_old_actor_missing_version_is_an_error_and_restores_weights():
+    model, corr, _ = _three_versions()
+    corr.retain([1])
+    current = weights_of(model)
+    batch = make_batch([[0, 1, 1, 1]])
+    with pytest.raises(
+        RuntimeError, match=r"1 tokens .* no anchor from a snapshot of their own version"
+    ):
+        corr.prepare(batch, model, step=2)
+    for p, w in zip(model.parameters(), current):
+        assert torch.equal(p, w)
+
+
+def test_keep_old_actor_bf16_storage():
+    model = make_model()
+    w0 = weights_of(model)
+    corr = KeepOldActor(storage_dtype="bf16", cap=None)
+    corr.on_weights_published(0, model)
+    perturb(model, seed=3)
+    numel = sum(p.numel() for p in model.parameters())
+    assert corr.snapshot_bytes == numel * 2
+    batch = make_batch([[0, 0, 0, 0]])
+    out = corr.prepare(batch, model, step=0)
+    ref = score(model_with([w.bfloat16().float() for w in w0]), batch)
+    assert torch.equal(out.anchor_logprobs, ref)
+    assert torch.equal(out.weights, batch.response_mask)  # cap=None: w = 1
+
+
+def test_keep_old_actor_resume_is_identical():
+    model, corr, _ = _three_versions()
+    state = corr.state_dict()
+    resumed = KeepOldActor(max_staleness=2)
+    resumed.load_state_dict(state)
+    assert resumed.live_versions == corr.live_versions
+    batch = make_batch([[0, 0, 1, 1], [2, 2, 2, -1]])
+    a = corr.prepare(batch, model, step=2)
+    b = resumed.prepare(batch, model, step=2)
+    assert torch.equal(a.anchor_logprobs, b.anchor_logprobs)
+    assert torch.equal(a.weights, b.weights)
+    with pytest.raises(ValueError, match="method 'keep_old_actor'"):
+        EWMA().load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------------------
+# ewma
+# ------------------------------------------------------------------------------------------
+
+
+def test_ewma_beta_from_staleness_window():
+    # s = max_staleness × updates_per_step / 2 = 2 × 8 / 2 = 8 → β = 8/9; mean age β/(1−β) = 8
+    assert EWMA(max_staleness=2, updates_per_step=8).beta == pytest.approx(8 / 9)
+    assert EWMA(max_staleness=0, updates_per_step=8).beta == 0.0
+    assert EWMA(max_staleness=2, updates_per_step=8, beta=0.5).beta == 0.5
+
+
+def test_ewma_matches_float64_reference():
+    model = make_model()
+    corr = EWMA(max_staleness=1, updates_per_step=4)  # s = 2, β = 2/3
+    beta = corr.beta
+    corr.on_weights_published(0, model)
+    ref = [p.detach().double().clone() for p in model.parameters()]
+    n = 1.0
+    for k in range(7):
+        perturb(model, seed=100 + k)
+        corr.after_optimizer_step(model)
+        n_prev, n = n, beta * n + 1  # n ← β·n + 1
+        for rb, p in zip(ref, model.parameters()):
+            rb.mul_(beta * n_prev / n).add_(p.detach().double() / n)  # θ̄·(β·n_prev/n) + θ/n
+    assert corr.n == pytest.approx(n, rel=1e-15)
+    for tb, rb in zip(corr.theta_bar, ref):
+        assert tb.dtype == torch.float32
+        torch.testing.assert_close(tb.double(), rb, rtol=0, atol=1e-6)
+    # anchors come from θ̄ and the actor is restored
+    current = weights_of(model)
+    batch = make_batch([[0, 1, 1, 1]])
+    out = corr.prepare(batch, model, step=1)
+    expected = score(model_with([t.clone() for t in corr.theta_bar]), batch)
+    if out.metrics["correction/ewma_reset_this_step"] == 0:
+        assert torch.equal(out.anchor_logprobs, expected)
+    for p, w in zip(model.parameters(), current):
+        assert torch.equal(p, w)
+    dist_ref = math.sqrt(
+        sum(float((t.double() - w.double()).pow(2).sum()) for t, w in zip(corr.theta_bar, current))
+    )
+    assert out.metrics["correction/ewma_distance"] == pytest.approx(dist_ref, rel=1e-5)
+
+
+def test_ewma_synchronous_beta_zero_tracks_current_weights():
+    model = make_model()
+    corr = EWMA(max_staleness=0)
+    corr.on_weights_published(0, model)
+    perturb(model, seed=1)
+    corr.after_optimizer_step(model)
+    assert corr.n == 1.0
+    for tb, p in zip(corr.theta_bar, model.parameters()):
+        assert torch.equal(tb, p.detach())
+
+
+def _batch_scored_by(model, versions, offset=0.0):
+    batch = make_batch(versions)
+    lp = score(model, batch)
+    batch.rollout_logprobs = torch.where(batch.response_mask > 0, lp + offset, 0.0)
+    return batch
+
+
+def test_ewma_reset_recomputes_anchors_with_reset_theta_bar():
+    model = make_model()
+    corr = EWMA(max_staleness=2, updates_per_step=1, reset_below=0.8)
+    corr.on_weights_published(0, model)
+    for k in range(3):
+        perturb(model, seed=200 + k, scale=1.0)  # large steps: θ̄ drifts far from θ
+        corr.after_optimizer_step(model)
+    # the engine sampled with the current weights: μ = log π_θ, so only θ̄'s drift separates them
+    batch = _batch_scored_by(model, [[2, 2, 2, 2], [2, 2, 2, -1]])
+    counter = ForwardCounter(model)
+    out = corr.prepare(batch, model, step=2)
+    m = out.metrics
+    assert m["correction/ewma_retained_before_reset"] < 0.8
+    assert m["correction/ewma_reset_this_step"] == 1 and m["correction/ewma_resets"] == 1
+    assert corr.n == 1.0 and m["correction/ewma_distance"] == 0.0
+    for tb, p in zip(corr.theta_bar, model.parameters()):
+        assert torch.equal(tb, p.detach())
+    assert counter.n == 2  # θ̄ forward + the recomputation with the reset θ̄
+    # recomputed anchors: the reset θ̄ is the current actor, which also produced μ
+    assert torch.equal(out.anchor_logprobs, batch.rollout_logprobs)
+    assert m["correction/retained_fraction"] == 1.0
+    torch.testing.assert_close(out.weights, batch.response_mask)
+
+
+def test_ewma_no_reset_when_retained():
+    model = make_model()
+    corr = EWMA(max_staleness=2, updates_per_step=1)
+    corr.on_weights_published(0, model)
+    perturb(model, seed=5, scale=1e-4)
+    corr.after_optimizer_step(model)
+    out = corr.prepare(_batch_scored_by(model, [[1, 1, 1, 1]]), model, step=1)
+    assert out.metrics["correction/ewma_resets"] == 0
+    assert out.metrics["correction/retained_fraction"] == 1.0
+
+
+def test_ewma_after_step_before_init_is_an_error():
+    with pytest.raises(RuntimeError, match="not initialised"):
+        EWMA().after_optimizer_step(make_model())
+
+
+def test_ewma_resume_is_identical():
+    model = make_model()
+    corr = EWMA(max_staleness=2, updates_per_step=2)
+    corr.on_weights_published(0, model)
+    for k in range(3):
+        perturb(model, seed=300 + k)
+        corr.after_optimizer_step(model)
+    corr.resets = 2
+    resumed = EWMA(max_staleness=2, updates_per_step=2)
+    resumed.load_state_dict(corr.state_dict())
+    assert (resumed.n, resumed.resets) == (corr.n, corr.resets)
+    for k in range(3):
+        perturb(model, seed=400 + k)
+        corr.after_optimizer_step(model)
+        resumed.after_optimizer_step(model)
+    for a, b in zip(corr.theta_bar, resumed.theta_bar):
+        assert torch.equal(a, b)
+    batch = make_batch([[2, 2, 1, 1]])
+    assert torch.equal(
+        corr.prepare(batch, model, step=2).anchor_logprobs,
+        resumed.prepare(batch, model, step=2).anchor_logprobs,
+    )
+    with pytest.raises(ValueError, match=r"beta=0\.5"):
+        EWMA(beta=0.5).load_state_dict(corr.state_dict())
+
+
+# ------------------------------------------------------------------------------------------
+# one anchor per step, shared by every epoch and minibatch
+# ------------------------------------------------------------------------------------------
+
+
+def _build(method: str):
+    cls = METHODS[method]
+    kw = {"max_staleness": 2, "updates_per_step": 8}
+    return cls(**kw)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_anchors_shared_by_every_epoch_and_minibatch(method):
+    torch.manual_seed(0)
+    model = make_model()
+    corr = _build(method)
+    corr.on_weights_published(0, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for v in (1, 2):
+        perturb(model, seed=7 + v)
+        corr.on_weights_published(v, model)
+    versions = [[0, 0, 1, 2], [1, 1, 2, -1], [0, 2, 2, 2], [2, 2, -1, -1]]
+    batch = _batch_scored_by(model, versions)
+    out = corr.prepare(batch, model, step=2)
+    frozen = {
+        k: None if t is None else t.clone()
+        for k, t in (
+            ("anchor", out.anchor_logprobs),
+            ("alpha", out.alpha),
+            ("mu", out.rollout_logprobs),
+        )
+    }
+    adv = torch.randn(4, R)
+    used = {}  # (epoch, minibatch) -> anchors used
+    for epoch in range(2):
+        for mb in range(4):
+            rows = torch.tensor([mb])
+            sub = batch.select(rows)
+            logp = token_logprobs(
+                model,
+                sub.input_ids,
+                attention_mask=sub.attention_mask,
+                position_ids=sub.position_ids,
+                start=sub.prompt_len,
+            )
+            c = out.minibatch(rows, logp)
+            used[(epoch, mb)] = c.anchor_logprobs.clone()
+            loss, _ = policy_loss(
+                logp,
+                c.anchor_logprobs,
+                adv[rows],
+                sub.response_mask,
+                weights=c.weights,
+                keep_mask=c.keep_mask,
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            corr.after_optimizer_step(model)
+    if method == "loglinear_prox":
+        # α and μ are fixed for the step; the anchor follows the current policy by definition
+        assert out.anchor_logprobs is None
+        assert torch.equal(out.alpha, frozen["alpha"]) and torch.equal(
+            out.rollout_logprobs, frozen["mu"]
+        )
+        assert not torch.equal(used[(0, 0)], used[(1, 0)])
+        assert out.metrics["correction/tokens"] == 2 * float(batch.response_mask.sum())
+    else:
+        assert torch.equal(out.anchor_logprobs, frozen["anchor"])
+        for mb in range(4):  # the last epoch's minibatch used the same bits as the first's
+            assert torch.equal(used[(1, mb)], used[(0, mb)])
+            assert torch.equal(used[(0, mb)], frozen["anchor"][mb : mb + 1])
+
+
+def test_loglinear_prox_minibatch_needs_policy_logprobs():
+    batch = make_batch([[0, 1, 1, 1]])
+    out = LogLinearProx().prepare(batch, torch.nn.Linear(1, 1), step=1)
+    with pytest.raises(ValueError, match="needs the minibatch's current logprobs"):
+        out.minibatch(slice(0, 1))
+
+
+def test_local_shards_share_storage():
+    model = make_model()
+    shards = local_shards(model)
+    shards[0].zero_()
+    assert next(model.parameters()).abs().sum() == 0

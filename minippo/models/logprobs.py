@@ -40,7 +40,10 @@ def _chunk_logprobs_entropy(
     return lp, entropy
 
 
-def _check(input_ids: torch.Tensor, temperature: float, start: int, chunk_size: int) -> None:
+def check_score_args(
+    input_ids: torch.Tensor, temperature: float, start: int, chunk_size: int
+) -> None:
+    """Raise ValueError on arguments :func:`token_logprobs` cannot score."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be Long[B, S], got shape {tuple(input_ids.shape)}")
     S = input_ids.shape[1]
@@ -52,27 +55,40 @@ def _check(input_ids: torch.Tensor, temperature: float, start: int, chunk_size: 
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
 
 
-def _chunked(
-    fn, model: nn.Module, input_ids, attention_mask, position_ids, temperature, start, chunk_size
-):
-    _check(input_ids, temperature, start, chunk_size)
-    hidden = model(
-        input_ids, position_ids=position_ids, attention_mask=attention_mask, return_hidden=True
-    )
-    B, S = input_ids.shape
-    L = S - start
-    # position start-1+j predicts token start+j
-    h = hidden[:, start - 1 : S - 1].reshape(B * L, hidden.shape[-1])
-    targets = input_ids[:, start:].reshape(B * L)
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of ``targets Long[B, L]`` under ``lm_head(hidden [B, L, D]) / T``, ``Float32[B, L]``
+    (and the entropy ``Float32[B, L]`` when ``with_entropy``), ``chunk_size`` tokens at a time.
+
+    With autograd each chunk is checkpointed, so no chunk's logits are kept for backward.
+    """
+    B, L, D = hidden.shape
+    h = hidden.reshape(B * L, D)
+    t = targets.reshape(B * L)
+    fn = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
     use_ckpt = torch.is_grad_enabled() and h.requires_grad
     outs = []
     for c in range(0, B * L, chunk_size):
-        hc, tc = h[c : c + chunk_size], targets[c : c + chunk_size]
+        hc, tc = h[c : c + chunk_size], t[c : c + chunk_size]
         if use_ckpt:
-            outs.append(checkpoint(fn, model.output, hc, tc, temperature, use_reentrant=False))
+            outs.append(checkpoint(fn, lm_head, hc, tc, temperature, use_reentrant=False))
         else:
-            outs.append(fn(model.output, hc, tc, temperature))
-    return outs, B, L
+            outs.append(fn(lm_head, hc, tc, temperature))
+    # .clone(): return fresh tensors, not views (FSDP2 hooks the outputs of score for backward,
+    # and an in-place op on a view would bypass that hook)
+    if with_entropy:
+        return (
+            torch.cat([o[0] for o in outs]).view(B, L).clone(),
+            torch.cat([o[1] for o in outs]).view(B, L).clone(),
+        )
+    return torch.cat(outs).view(B, L).clone()
 
 
 def token_logprobs(
@@ -92,21 +108,18 @@ def token_logprobs(
     input_ids Long[B, S]; attention_mask Bool[B, S]; position_ids Long[B, S]. With ``start = P``
     (the padded prompt length) this is the response-aligned ``[B, R]`` of a RolloutBatch.
     ``chunk_size`` counts tokens (rows of the flattened ``[B * (S - start)]``) per lm_head chunk.
-    ``model`` is a :class:`~minippo.models.Transformer` (or anything with the same
-    ``forward(..., return_hidden=True)`` and ``.output``). Values at padding positions are
-    finite but meaningless: mask them.
+    ``model`` is a :class:`~minippo.models.Transformer` (plain or FSDP-sharded: the work runs in
+    its ``score`` method, which ``shard_model`` registers as an FSDP forward). Values at padding
+    positions are finite but meaningless: mask them.
     """
-    outs, B, L = _chunked(
-        _chunk_logprobs,
-        model,
+    return model.score(
         input_ids,
-        attention_mask,
-        position_ids,
-        temperature,
-        start,
-        chunk_size,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        temperature=temperature,
+        start=start,
+        chunk_size=chunk_size,
     )
-    return torch.cat(outs).view(B, L)
 
 
 def token_logprobs_and_entropy(
@@ -124,16 +137,12 @@ def token_logprobs_and_entropy(
 
     entropy[:, j] = H(softmax(logits[:, start - 1 + j] / T))
     """
-    outs, B, L = _chunked(
-        _chunk_logprobs_entropy,
-        model,
+    return model.score(
         input_ids,
-        attention_mask,
-        position_ids,
-        temperature,
-        start,
-        chunk_size,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        temperature=temperature,
+        start=start,
+        chunk_size=chunk_size,
+        with_entropy=True,
     )
-    lp = torch.cat([o[0] for o in outs]).view(B, L)
-    ent = torch.cat([o[1] for o in outs]).view(B, L)
-    return lp, ent

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minippo.models.logprobs import DEFAULT_CHUNK_SIZE, check_score_args, logprobs_from_hidden
+
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 
 
@@ -428,6 +430,32 @@ class Transformer(_Decoder):
             tokens, position_ids=position_ids, attention_mask=attention_mask, kv_cache=kv_cache
         )
         return h if return_hidden else self.output(h)
+
+    def score(
+        self,
+        tokens: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        start: int = 1,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        with_entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs ``Float32[B, S - start]`` of ``tokens[:, start:]`` at temperature T, the lm_head
+        applied chunk by chunk (see :func:`minippo.models.token_logprobs`); with ``with_entropy``
+        also the entropies. A method of the model (not a free function) so that FSDP2 can wrap
+        it like ``forward``: the lm_head weights are gathered while it runs."""
+        check_score_args(tokens, temperature, start, chunk_size)
+        h = self.hidden_states(tokens, position_ids=position_ids, attention_mask=attention_mask)
+        return logprobs_from_hidden(
+            h[:, start - 1 : -1],
+            self.output,
+            tokens[:, start:],
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+        )
 
 
 class ValueModel(_Decoder):

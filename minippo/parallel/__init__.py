@@ -1,0 +1,32 @@
+"""Process groups, FSDP2 sharding, and gathering full tensors (for engines and HF export).
+
+Public names:
+    init_distributed(backend=None) -> DistInfo(rank, world_size, local_rank, device, distributed)
+    destroy_distributed()
+    shard_model(model, *, mesh=None, param_dtype=None, reduce_dtype=torch.float32,
+                reshard_after_forward=True) -> model
+    load_full_state_dict(model, state_dict, *, device, broadcast_from_rank0=False) -> model
+    assert_not_meta(model)
+    full_tensor_buckets(model, *, bucket_bytes, dtype=None) -> Iterator[list[(hf_name, Tensor)]]
+    gather_full_state_dict(model, *, dtype=None, device="cpu") -> {native_name: Tensor}
+"""
+
+from minippo.parallel.distributed import DistInfo, destroy_distributed, init_distributed
+from minippo.parallel.fsdp import (
+    assert_not_meta,
+    full_tensor_buckets,
+    gather_full_state_dict,
+    load_full_state_dict,
+    shard_model,
+)
+
+__all__ = [
+    "DistInfo",
+    "assert_not_meta",
+    "destroy_distributed",
+    "full_tensor_buckets",
+    "gather_full_state_dict",
+    "init_distributed",
+    "load_full_state_dict",
+    "shard_model",
+]

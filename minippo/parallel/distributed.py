@@ -1,0 +1,79 @@
+"""Process-group setup for runs started by torchrun (or as a single plain process)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistInfo", "destroy_distributed", "init_distributed"]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits.
+
+    Fields:
+        rank:        global rank (0 in a single process)
+        world_size:  number of processes (1 in a single process)
+        local_rank:  rank on this node (selects the GPU)
+        device:      ``cuda:<local_rank>`` when CUDA is available, else ``cpu``
+        distributed: True when a process group is initialised
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    distributed: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(backend: str | None = None) -> DistInfo:
+    """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and return where this process sits.
+
+    backend: None picks ``nccl`` on CUDA and ``gloo`` on CPU. Without torchrun's variables this is
+    a single process: no process group is created and ``DistInfo(0, 1, 0, device, False)`` is
+    returned. Calling it again once the group exists returns the same information.
+    """
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        return DistInfo(rank=0, world_size=1, local_rank=0, device=device, distributed=False)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA devices are "
+                "visible; lower --nproc-per-node"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise ValueError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            device_id=device if backend == "nccl" else None,
+        )
+    return DistInfo(
+        rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group if one exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,172 @@
+"""FSDP2 sharding of the decoder models and gathering of full tensors.
+
+Typical use (every rank runs the same code)::
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    shard_model(model, param_dtype=torch.bfloat16)
+    load_full_state_dict(model, full_sd, device=info.device)   # full_sd: native names
+    ...
+    for bucket in full_tensor_buckets(model, bucket_bytes=1 << 28, dtype=torch.bfloat16):
+        engine.publish(...)                                       # [(hf_name, full tensor), ...]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+from minippo.models.checkpoint import hf_name
+
+__all__ = [
+    "assert_not_meta",
+    "full_tensor_buckets",
+    "gather_full_state_dict",
+    "load_full_state_dict",
+    "shard_model",
+]
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    mesh=None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Apply FSDP2 ``fully_shard`` to every decoder block, then to the root; returns ``model``.
+
+    Works for :class:`~minippo.models.Transformer` and :class:`~minippo.models.ValueModel` (any
+    module with ``.layers``), on real or meta parameters. The root group holds the embeddings, the
+    final norm and the head (tied weights stay one parameter). ``param_dtype`` is the compute
+    dtype of the all-gathered parameters (None: the stored dtype); ``reduce_dtype`` the dtype of
+    the gradient reduce-scatter. ``mesh`` None uses all ranks of the default process group.
+    ``Transformer.score`` (behind ``token_logprobs``) is registered as an FSDP forward method.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "shard_model needs a process group: call minippo.parallel.init_distributed() under "
+            "torchrun, or do not shard in a single process"
+        )
+    if not hasattr(model, "layers"):
+        raise TypeError(f"shard_model expects a model with .layers, got {type(model).__name__}")
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if hasattr(model, "score"):  # token_logprobs runs the lm_head outside forward
+        register_fsdp_forward_method(model, "score")
+    return model
+
+
+def assert_not_meta(model: nn.Module) -> None:
+    """Raise if any parameter or buffer is still on the meta device."""
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"{len(left)} tensors left on the meta device, e.g. {left[:4]}")
+
+
+def load_full_state_dict(
+    model: nn.Module,
+    state_dict: Mapping[str, torch.Tensor] | None,
+    *,
+    device: torch.device | str,
+    broadcast_from_rank0: bool = False,
+) -> nn.Module:
+    """Materialise a (possibly meta-built, sharded) model on ``device`` and load full tensors.
+
+    state_dict: ``{native_name: full tensor}`` (e.g. ``load_hf_state_dict(path)[1]``); the tied
+    ``output.weight`` may be absent. With ``broadcast_from_rank0`` only rank 0 needs it (others pass
+    None or {}) and rank 0 broadcasts. Each rank keeps only its shard. Returns ``model``.
+    """
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)  # Transformer re-ties its lm_head in _apply
+    sd = dict(state_dict or {})
+    tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
+    if tied and "tok_embeddings.weight" in sd:
+        sd.setdefault("output.weight", sd["tok_embeddings.weight"])
+    if not broadcast_from_rank0 or not dist.is_initialized() or dist.get_rank() == 0:
+        expected = set(model.state_dict())
+        missing, unexpected = expected - set(sd), set(sd) - expected
+        if missing or unexpected:
+            raise ValueError(
+                f"state dict does not match the model: missing {sorted(missing)[:6]}, "
+                f"unexpected {sorted(unexpected)[:6]}"
+            )
+    set_model_state_dict(
+        model,
+        sd,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0),
+    )
+    assert_not_meta(model)
+    return model
+
+
+def _reshard_all(model: nn.Module) -> None:
+    # after a no-grad forward the root group may still hold unsharded (param_dtype) tensors;
+    # reshard so that every parameter below is the fp32 sharded master
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a (possibly sharded) parameter; a collective for DTensors."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_tensor_buckets(
+    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield lists of ``(hf_name, full tensor)`` of at most ``bucket_bytes`` each (a single larger
+    tensor gets a bucket of its own), in parameter order, identical on every rank.
+
+    The tied lm_head is skipped (it is the embedding). For FSDP-sharded models every rank must
+    consume the whole iterator: each tensor is all-gathered. ``dtype`` casts the gathered tensors
+    (e.g. bf16 for an engine). Tensors stay on the parameters' device.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes ({bucket_bytes}) must be positive")
+    _reshard_all(model)
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, p in model.named_parameters():  # a tied lm_head is the same Parameter: listed once
+        t = _full(p)
+        if dtype is not None:
+            t = t.to(dtype)
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((hf_name(name), t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def gather_full_state_dict(
+    model: nn.Module, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """``{native_name: full tensor}`` of a sharded (or plain) model on every rank, on ``device``.
+
+    A collective: every rank must call it. The tied ``output.weight`` is not included (pass the
+    result to :func:`~minippo.models.save_pretrained_state_dict` for an HF export).
+    """
+    _reshard_all(model)
+    out = {}
+    for name, p in model.named_parameters():
+        t = _full(p)
+        out[name] = t.to(device=device, dtype=dtype or t.dtype)
+    return out

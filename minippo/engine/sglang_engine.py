@@ -1,0 +1,1077 @@
+"""SGLangEngine: the GPU rollout engine, one SGLang engine (tp=1) per training rank.
+
+Each torchrun rank owns one SGLang ``Engine`` on its own GPU (``base_gpu_id = local_rank``). The
+engine's scheduler and detokenizer run in child processes, so generation overlaps training; the
+tokenizer manager runs in the rank's own process and is driven from here. Written against
+sglang==0.5.23 (``SGLANG_VERSION``); SGLang is imported lazily, only when an engine is built.
+
+Threading. SGLang's synchronous ``Engine`` methods run ``loop.run_until_complete`` on the engine's
+own asyncio loop, so two of them can never run at once (one blocking ``generate`` would stall
+``publish`` and ``pause``) and none may be called from a running event loop. This backend therefore
+never calls them: it starts one thread that runs the engine's loop forever, and every protocol
+method submits a coroutine of the tokenizer manager's async API to that loop
+(``asyncio.run_coroutine_threadsafe``) and blocks on the result. ``generate`` may be called from the
+rollout queue's background thread while ``publish_weights`` / ``pause`` / ``resume`` / ``abort``
+come from the main thread; the coroutines interleave on the one loop and share state only there.
+The protocol methods are blocking: never call them from inside a running event loop (they raise).
+
+Weight versions, per token. SGLang 0.5.23 tracks them itself: when the weight version changes
+(here: ``update_weight_version`` at the end of each publish), the scheduler appends, for every live
+request that has output tokens, an event ``(old_version, number of output tokens so far)``; a
+finished request reports ``meta_info["weight_versions"]``, spans ``{version, start, end}`` over its
+output tokens (``meta_info["weight_version"]`` alone is the version at return time, which is wrong
+for a response that spanned a publish). The version only changes while no token can be sampled —
+either generation is paused (``pause()``: in-flight requests are retracted, their token count is
+final until ``resume()``), or this backend has drained every in-flight request first (a publish
+without a pause) — so the count recorded at the change is exactly the number of tokens sampled
+under the old version: token ``i`` carries the version of the span that contains ``i``. The backend
+checks each response's spans: contiguous, covering every token, non-decreasing, and between the
+version current when the request was admitted and the newest published version.
+
+Logprobs. ``meta_info["output_token_logprobs"]`` holds ``(logprob, token_id, None)`` per output
+token: ``log_softmax(logits / T)`` over the full vocabulary at the request's temperature (after
+penalties / logit bias, which minippo never sets), not renormalised for top-k / top-p; for greedy
+requests (``T == 0``; SGLang turns them into ``T = 1, top_k = 1``) it is ``log_softmax(logits)``.
+This is minippo's definition (``minippo.models.token_logprobs(..., temperature=T)``). The
+environment variable ``SGLANG_RETURN_ORIGINAL_LOGPROB`` would switch SGLang to T = 1 logprobs; the
+constructor refuses it.
+
+Publishing (``publish_weights(buckets, version)``): on every rank, the trainer walks its FSDP2
+parameters in the same order (``minippo.parallel.full_tensor_buckets``: the gathers are
+collectives) and hands the buckets over; for each bucket this backend casts the tensors to the
+engine dtype on the local GPU, serialises them as CUDA IPC handles and loads them with the
+tokenizer manager's ``update_weights_from_tensor(load_format=None, flush_cache=False)`` inside one
+``begin_weight_update`` / ``end_weight_update`` session (0.5.23 rejects the load outside a
+session), drops its references and calls ``torch.cuda.ipc_collect()``; once more after the last
+bucket; then ``flush_cache`` and ``update_weight_version(str(version))``. The buckets are iterated in
+the calling thread (the gathers need the trainer's process group and stream). Without a ``pause()``
+the publish first closes the gate to new requests and waits until the running ones finish (SGLang
+would wait for them anyway and must not start a request between two buckets). ``Engine``'s own
+``update_weights_from_tensor`` is the same call made through ``run_until_complete`` (which cannot
+be used while the loop runs in our thread) and cannot stamp a version.
+
+Memory modes (``memory_mode``):
+    * ``overlap``: engine and trainer share the GPU at the same time (``mem_fraction_static`` of
+      it is the engine's); ``sleep()`` / ``wake()`` do nothing.
+    * ``sleep``: the engine releases its memory while the trainer trains. ``sleep()`` (engine idle)
+      releases weights, KV cache and CUDA graphs; ``wake()`` restores only the weights' memory
+      (their values are undefined unless ``weights_cpu_backup``); the next ``publish_weights``
+      pushes the buckets, flushes, and only then restores KV cache and CUDA graphs, so the
+      gathered buckets never compete with the KV cache. Generating in between raises.
+
+Process side effects of SGLang's ``Engine`` (documented in docs/sglang_backend.md): creating it sets
+the multiprocessing start method to ``spawn`` and some NCCL environment variables in this process,
+installs uvloop's event-loop policy, and ``shutdown()`` kills EVERY child process of this process
+(not only SGLang's). Build the engine before starting other child processes (data-loader workers)
+or shut it down only at the very end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Literal
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from minippo.engine.protocol import (
+    FINISH_REASONS,
+    Completion,
+    GenerateRequest,
+    SamplingParams,
+    WeightBucket,
+    validate_requests,
+)
+
+SGLANG_VERSION = "0.5.23"
+
+MemoryMode = Literal["overlap", "sleep"]
+MEMORY_MODES: tuple[str, ...] = ("overlap", "sleep")
+ENGINE_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The SGLang API surface this backend uses: ONE table. tests/unit/test_sglang_api_compat.py checks
+# every entry against the pinned wheel's source, and checks that this module's own calls into
+# SGLang (``self._engine.X``, ``self._tm.X``, ``self._api.X``, imports, output keys) are all here.
+
+
+@dataclass(frozen=True)
+class ApiUse:
+    """One piece of SGLang's API that this backend relies on.
+
+    Fields:
+        kind:     "class"       importable ``name`` from ``module``; ``keywords`` = constructor
+                                keywords passed (each must be a field of the class);
+                  "server_args" ``Engine(**kwargs)`` builds ``ServerArgs(**kwargs)``: ``keywords``
+                                are the kwargs passed (each must be a ServerArgs field);
+                  "method"      ``Class.method`` (resolved through base classes in the wheel);
+                                ``keywords`` are the keyword arguments passed; ``is_async`` says
+                                whether it is awaited;
+                  "attribute"   ``Class.attr`` set on instances (``self.attr = ...``);
+                  "literal"     strings that must occur in ``module`` as string constants or
+                                as assigned / annotated names (output keys, literal values,
+                                struct fields, environment settings).
+        module:   dotted module path inside the wheel.
+        name:     class, ``Class.member`` or a label (for literals).
+        keywords: see ``kind``.
+        is_async: for methods: True = ``async def`` (awaited), False = plain ``def``.
+        note:     why the backend needs it.
+    """
+
+    kind: Literal["class", "server_args", "method", "attribute", "literal"]
+    module: str
+    name: str
+    keywords: tuple[str, ...] = ()
+    is_async: bool | None = None
+    note: str = ""
+
+
+_ENGINE = "sglang.srt.entrypoints.engine"
+_IO = "sglang.srt.managers.io_struct"
+_TM = "sglang.srt.managers.tokenizer_manager"
+
+# keys of the Engine(**kwargs) call, in the order engine_server_args() builds them
+SERVER_ARG_KEYS: tuple[str, ...] = (
+    "model_path",
+    "tp_size",
+    "base_gpu_id",
+    "port",
+    "nccl_port",
+    "mem_fraction_static",
+    "dtype",
+    "load_format",
+    "skip_tokenizer_init",
+    "enable_memory_saver",
+    "enable_weights_cpu_backup",
+    "random_seed",
+    "weight_version",
+    "context_length",
+    "sampling_backend",
+    "enable_deterministic_inference",
+    "rl_on_policy_target",
+    "log_level",
+)
+
+SGLANG_API: tuple[ApiUse, ...] = (
+    # -- imports and constructors
+    ApiUse("class", _ENGINE, "Engine", note="one offline engine per rank: Engine(**server_args)"),
+    ApiUse("server_args", "sglang.srt.server_args", "ServerArgs", SERVER_ARG_KEYS),
+    ApiUse("class", "sglang.srt.utils", "MultiprocessingSerializer", note="CUDA IPC payloads"),
+    ApiUse("class", _IO, "PauseGenerationReqInput", ("mode",)),
+    ApiUse("class", _IO, "ContinueGenerationReqInput"),
+    ApiUse("class", _IO, "BeginWeightUpdateReqInput"),
+    ApiUse("class", _IO, "EndWeightUpdateReqInput"),
+    ApiUse(
+        "class",
+        _IO,
+        "UpdateWeightsFromTensorReqInput",
+        ("serialized_named_tensors", "load_format", "flush_cache"),
+    ),
+    ApiUse("class", _IO, "UpdateWeightVersionReqInput", ("new_version", "abort_all_requests")),
+    ApiUse("class", _IO, "ReleaseMemoryOccupationReqInput", ("tags",)),
+    ApiUse("class", _IO, "ResumeMemoryOccupationReqInput", ("tags",)),
+    # -- Engine members
+    ApiUse("attribute", _ENGINE, "Engine.tokenizer_manager", note="the async control API"),
+    ApiUse("attribute", _ENGINE, "Engine.loop", note="the loop our thread runs"),
+    ApiUse(
+        "method",
+        _ENGINE,
+        "Engine.async_generate",
+        ("input_ids", "sampling_params", "return_logprob", "rid"),
+        is_async=True,
+    ),
+    ApiUse("method", _ENGINE, "Engine.shutdown", is_async=False),
+    # -- tokenizer manager (methods live on TokenizerManager or its mixins)
+    ApiUse("method", _TM, "TokenizerManager.pause_generation", ("obj",), is_async=True),
+    ApiUse("method", _TM, "TokenizerManager.continue_generation", ("obj",), is_async=True),
+    ApiUse("method", _TM, "TokenizerManager.abort_request", ("abort_all",), is_async=False),
+    ApiUse("method", _TM, "TokenizerManager.begin_weight_update", ("obj", "request"), True),
+    ApiUse("method", _TM, "TokenizerManager.end_weight_update", ("obj", "request"), True),
+    ApiUse("method", _TM, "TokenizerManager.update_weights_from_tensor", ("obj", "request"), True),
+    ApiUse("method", _TM, "TokenizerManager.flush_cache", (), is_async=True),
+    ApiUse("method", _TM, "TokenizerManager.update_weight_version", ("obj",), is_async=True),
+    ApiUse("method", _TM, "TokenizerManager.release_memory_occupation", ("obj", "request"), True),
+    ApiUse("method", _TM, "TokenizerManager.resume_memory_occupation", ("obj", "request"), True),
+    ApiUse("method", "sglang.srt.utils", "MultiprocessingSerializer.serialize", ("obj",), False),
+    # -- output format and literal values
+    ApiUse(
+        "literal",
+        _TM,
+        "generate output",
+        ("output_ids", "meta_info", "finish_reason", "output_token_logprobs", "weight_version"),
+        note="the dict one request returns",
+    ),
+    ApiUse(
+        "literal",
+        "sglang.srt.utils.weight_versions",
+        "per-token weight version spans",
+        ("weight_versions", "version", "start", "end"),
+    ),
+    ApiUse(
+        "literal",
+        "sglang.srt.managers.schedule_batch",
+        "finish reasons",
+        ("type", "stop", "length", "abort"),
+    ),
+    ApiUse("literal", _IO, "pause modes", ("retract",)),
+    ApiUse("literal", _IO, "FlushCacheReqOutput", ("success",), note="flush_cache() result"),
+    ApiUse(
+        "literal",
+        "sglang.srt.sampling.sampling_params",
+        "sampling parameter names",
+        (
+            "temperature",
+            "top_p",
+            "top_k",
+            "max_new_tokens",
+            "stop_token_ids",
+            "ignore_eos",
+            "sampling_seed",
+        ),
+    ),
+    ApiUse(
+        "literal",
+        "sglang.srt.environ",
+        "environment",
+        ("SGLANG_RETURN_ORIGINAL_LOGPROB",),
+        note="refused: it would return T = 1 logprobs",
+    ),
+    ApiUse(
+        "literal",
+        "sglang.srt.constants",
+        "memory tags",
+        ("weights", "kv_cache", "cuda_graph"),
+    ),
+)
+
+_MEM_WEIGHTS, _MEM_KV, _MEM_GRAPH = "weights", "kv_cache", "cuda_graph"
+
+
+def _load_sglang_api() -> SimpleNamespace:
+    """Import the SGLang names the backend uses (lazily: SGLang needs CUDA torch)."""
+    try:
+        from sglang.srt.entrypoints.engine import Engine
+        from sglang.srt.managers.io_struct import (
+            BeginWeightUpdateReqInput,
+            ContinueGenerationReqInput,
+            EndWeightUpdateReqInput,
+            PauseGenerationReqInput,
+            ReleaseMemoryOccupationReqInput,
+            ResumeMemoryOccupationReqInput,
+            UpdateWeightsFromTensorReqInput,
+            UpdateWeightVersionReqInput,
+        )
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError as e:
+        raise ImportError(
+            f"SGLangEngine needs sglang=={SGLANG_VERSION} on a CUDA machine "
+            f'(pip install "minippo[sglang]"); importing it failed: {e}'
+        ) from e
+    return SimpleNamespace(
+        Engine=Engine,
+        MultiprocessingSerializer=MultiprocessingSerializer,
+        PauseGenerationReqInput=PauseGenerationReqInput,
+        ContinueGenerationReqInput=ContinueGenerationReqInput,
+        BeginWeightUpdateReqInput=BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput=EndWeightUpdateReqInput,
+        UpdateWeightsFromTensorReqInput=UpdateWeightsFromTensorReqInput,
+        UpdateWeightVersionReqInput=UpdateWeightVersionReqInput,
+        ReleaseMemoryOccupationReqInput=ReleaseMemoryOccupationReqInput,
+        ResumeMemoryOccupationReqInput=ResumeMemoryOccupationReqInput,
+    )
+
+
+def _cuda_ipc_collect() -> None:
+    """Free the CUDA IPC handles the engine process no longer uses (no-op without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure helpers (tested on CPU)
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Refuse environment settings that break the engine or change its logprobs.
+
+    * ``PYTORCH_CUDA_ALLOC_CONF`` with ``expandable_segments``: the engine inherits it, and SGLang's
+      memory pools and release/resume (torch_memory_saver) do not work with expandable segments.
+    * ``SGLANG_RETURN_ORIGINAL_LOGPROB`` true: SGLang would return T = 1 logprobs instead of
+      ``log_softmax(logits / T)``.
+    """
+    conf = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" in conf:
+        raise RuntimeError(
+            f"PYTORCH_CUDA_ALLOC_CONF={conf!r} contains expandable_segments, which the SGLang "
+            "engine inherits and does not support; unset it (or drop expandable_segments) "
+            "before building SGLangEngine"
+        )
+    flag = environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "")
+    if flag.strip().lower() in ("1", "true", "yes", "on"):
+        raise RuntimeError(
+            f"SGLANG_RETURN_ORIGINAL_LOGPROB={flag!r} makes SGLang return temperature-1 "
+            "logprobs, but minippo's logprob is log_softmax(logits / T); unset it"
+        )
+
+
+def engine_ports(base_port: int, local_rank: int, port_stride: int) -> tuple[int, int]:
+    """``(port, nccl_port)`` of the engine of ``local_rank``.
+
+    port = base_port + local_rank * port_stride,  nccl_port = port + 1.
+    ``port`` is SGLang's (health-check) server port; each rank's engine needs its own pair.
+    """
+    if port_stride < 2:
+        raise ValueError(
+            f"port_stride ({port_stride}) must be >= 2: each engine uses port and port + 1"
+        )
+    if local_rank < 0:
+        raise ValueError(f"local_rank must be >= 0, got {local_rank}")
+    port = base_port + local_rank * port_stride
+    if base_port < 1024 or port + 1 > 65535:
+        raise ValueError(
+            f"engine ports {port}, {port + 1} (base_port={base_port}, local_rank={local_rank}, "
+            f"port_stride={port_stride}) must lie in [1024, 65535]; lower base_port"
+        )
+    return port, port + 1
+
+
+def engine_server_args(
+    *,
+    model_path: str,
+    local_rank: int,
+    port: int,
+    nccl_port: int,
+    mem_fraction_static: float,
+    dtype: str,
+    load_format: str,
+    memory_mode: str,
+    weights_cpu_backup: bool,
+    random_seed: int,
+    version: int,
+    context_length: int | None,
+    sampling_backend: str | None,
+    enable_deterministic_inference: bool,
+    rl_on_policy_target: str | None,
+    log_level: str,
+) -> dict[str, Any]:
+    """The keyword arguments of ``sglang.Engine(**kwargs)`` (= ``ServerArgs`` fields).
+
+    tp_size=1 on GPU ``local_rank`` (``base_gpu_id`` indexes the visible GPUs); token ids in and
+    out (``skip_tokenizer_init``); the memory saver only in ``sleep`` mode (release/resume need it).
+    """
+    return dict(
+        model_path=model_path,
+        tp_size=1,
+        base_gpu_id=local_rank,
+        port=port,
+        nccl_port=nccl_port,
+        mem_fraction_static=mem_fraction_static,
+        dtype=dtype,
+        load_format=load_format,
+        skip_tokenizer_init=True,
+        enable_memory_saver=memory_mode == "sleep",
+        enable_weights_cpu_backup=weights_cpu_backup,
+        random_seed=random_seed,
+        weight_version=str(version),
+        context_length=context_length,
+        sampling_backend=sampling_backend,
+        enable_deterministic_inference=enable_deterministic_inference,
+        rl_on_policy_target=rl_on_policy_target,
+        log_level=log_level,
+    )
+
+
+def sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` dict for one request.
+
+    top_k 0 (off) -> -1 (SGLang's "whole vocabulary"); temperature 0 is greedy in both.
+    Stop ids: SGLang always also stops at the model's EOS ids (config.json /
+    generation_config.json) unless ``ignore_eos``, which also disables ``stop_token_ids``. So a
+    request without stop ids gets ``ignore_eos=True`` (no stop at all, as the protocol says);
+    one with stop ids stops at them AND at the model's EOS ids.
+    """
+    sp: dict[str, Any] = {
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k) if params.top_k > 0 else -1,
+        "max_new_tokens": int(params.max_new_tokens),
+    }
+    if params.stop_token_ids:
+        sp["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
+    else:
+        sp["ignore_eos"] = True
+    if params.seed is not None and params.temperature > 0:  # greedy needs no seed
+        sp["sampling_seed"] = int(params.seed)
+    return sp
+
+
+def _parse_version(value: Any, where: str) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        raise RuntimeError(
+            f"{where}: engine weight version {value!r} is not an integer; the engine must be "
+            "started and updated by SGLangEngine (which stamps str(version))"
+        ) from None
+
+
+def token_versions(meta: Mapping[str, Any], n: int, *, low: int, high: int) -> list[int]:
+    """Per-token weight versions (length n) from one response's ``meta_info``.
+
+    ``meta["weight_versions"]``: spans ``{"version": str, "start": int, "end": int}`` over the
+    output tokens; token i gets the version of the span with start <= i < end. The spans must be
+    contiguous from 0 to n, non-decreasing, with low <= version <= high (low = the version when
+    the request was admitted, high = the newest version stamped). Without spans (not expected from
+    0.5.23) the single ``meta["weight_version"]`` is only accepted when low == high, i.e. when no
+    publish happened while the request was in flight; otherwise the versions are unknowable and
+    this raises.
+    """
+    spans = meta.get("weight_versions")
+    if spans is None:
+        v = _parse_version(meta.get("weight_version"), "weight_version")
+        if low != high or v != low:
+            raise RuntimeError(
+                f"the response has no per-token weight_versions and its versions cannot be "
+                f"attributed: it was in flight over versions {low}..{high} (engine says {v})"
+            )
+        return [v] * n
+    versions: list[int] = []
+    prev = low
+    for span in spans:
+        v = _parse_version(span["version"], "weight_versions")
+        start, end = int(span["start"]), int(span["end"])
+        if start != len(versions) or end < start:
+            raise RuntimeError(f"weight_versions spans are not contiguous: {list(spans)}")
+        if not (prev <= v <= high):
+            raise RuntimeError(
+                f"weight_versions {list(spans)}: version {v} outside [{prev}, {high}] (admitted "
+                f"at {low}; versions must not decrease)"
+            )
+        prev = v
+        versions.extend([v] * (end - start))
+    if len(versions) != n:
+        raise RuntimeError(f"weight_versions spans cover {len(versions)} tokens, expected {n}")
+    return versions
+
+
+def completion_from_output(
+    request: GenerateRequest, out: Mapping[str, Any], *, low: int, high: int
+) -> Completion:
+    """Turn one SGLang response dict into a Completion (checking its shape on the way)."""
+    token_ids = [int(t) for t in out["output_ids"]]
+    meta = out["meta_info"]
+    n = len(token_ids)
+    triples = meta.get("output_token_logprobs")
+    if triples is None:
+        if n:
+            raise RuntimeError(
+                f"request {request.request_id!r}: the engine returned {n} tokens without "
+                "output_token_logprobs (was return_logprob dropped?)"
+            )
+        triples = []
+    if len(triples) != n:
+        raise RuntimeError(
+            f"request {request.request_id!r}: {len(triples)} logprobs for {n} output tokens"
+        )
+    logprobs = []
+    for i, (logprob, token_id, _text) in enumerate(triples):
+        if int(token_id) != token_ids[i]:
+            raise RuntimeError(
+                f"request {request.request_id!r}: logprob {i} is for token {token_id}, the "
+                f"output token is {token_ids[i]}"
+            )
+        logprobs.append(float(logprob))
+    finish = meta.get("finish_reason")
+    reason = finish.get("type") if isinstance(finish, Mapping) else None
+    if reason not in FINISH_REASONS:
+        raise RuntimeError(f"request {request.request_id!r}: unexpected finish_reason {finish!r}")
+    return Completion(
+        request_id=request.request_id,
+        prompt_ids=list(request.prompt_ids),
+        token_ids=token_ids,
+        logprobs=logprobs,
+        versions=token_versions(meta, n, low=low, high=high),
+        finish_reason=reason,
+    )
+
+
+def _empty_abort(request: GenerateRequest) -> Completion:
+    return Completion(request.request_id, list(request.prompt_ids), [], [], [], "abort")
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine
+
+
+class SGLangEngine:
+    """Rollout engine backed by one local SGLang engine (tp=1) on this rank's GPU.
+
+    Build it on every rank (from YAML: ``engine: {_component_:
+    minippo.engine.sglang_engine.SGLangEngine, model_path: ..., mem_fraction_static: 0.4}``).
+
+    Args:
+        model_path:          HF checkpoint folder (config.json; with ``load_format="dummy"`` only
+                             the config is read and the weights come from ``publish_weights``).
+        mem_fraction_static: fraction of the GPU's memory for the engine's weights + KV cache.
+        memory_mode:         "overlap" (share the GPU with the trainer at the same time) or
+                             "sleep" (release the engine's memory around training).
+        dtype:               engine dtype ("bfloat16", "float16", "float32"); pushed weights are
+                             cast to it.
+        local_rank:          GPU index among the visible ones; default: $LOCAL_RANK or 0.
+        base_port:           ports: port = base_port + local_rank * port_stride, nccl_port =
+        port_stride:         port + 1.
+        load_format:         "dummy" (random init; generate refuses until the first publish) or
+                             a real SGLang load format such as "auto" (weights from model_path).
+        version:             the version of the initial weights (stamped as the engine's
+                             weight_version).
+        weights_cpu_backup:  in sleep mode, keep a host copy of the weights so that ``wake()``
+                             restores them (no publish needed after wake).
+        context_length:      engine context length (None: the model config's); also bounds
+                             prompt + max_new_tokens of each request.
+        random_seed:         SGLang's random seed.
+        sampling_backend:    SGLang sampling kernels (None: its default). Seeded requests with
+                             top-k/top-p need "pytorch" (flashinfer refuses per-request seeds).
+        enable_deterministic_inference, rl_on_policy_target: SGLang's options for batch-invariant
+                             kernels / logprobs that match an FSDP trainer bitwise.
+        log_level:           SGLang's log level.
+        extra_server_args:   other ``ServerArgs`` fields, passed through unchecked (SGLang
+                             validates them at start); may not repeat a key set above.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        mem_fraction_static: float = 0.5,
+        memory_mode: MemoryMode = "overlap",
+        dtype: str = "bfloat16",
+        local_rank: int | None = None,
+        base_port: int = 30000,
+        port_stride: int = 8,
+        load_format: str = "dummy",
+        version: int = 0,
+        weights_cpu_backup: bool = False,
+        context_length: int | None = None,
+        random_seed: int = 0,
+        sampling_backend: str | None = None,
+        enable_deterministic_inference: bool = False,
+        rl_on_policy_target: str | None = None,
+        log_level: str = "error",
+        extra_server_args: Mapping[str, Any] | None = None,
+    ) -> None:
+        # validate everything before touching a device or starting processes
+        if not isinstance(model_path, str) or not model_path:
+            raise ValueError(f"model_path must be a non-empty path, got {model_path!r}")
+        if not (0.0 < float(mem_fraction_static) < 1.0):
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {mem_fraction_static!r}; e.g. 0.4 "
+                "leaves 60% of the GPU to the trainer in overlap mode"
+            )
+        if memory_mode not in MEMORY_MODES:
+            raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {memory_mode!r}")
+        if dtype not in ENGINE_DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(ENGINE_DTYPES)}, got {dtype!r}")
+        if weights_cpu_backup and memory_mode != "sleep":
+            raise ValueError("weights_cpu_backup=True only makes sense with memory_mode='sleep'")
+        if context_length is not None and int(context_length) < 2:
+            raise ValueError(f"context_length must be >= 2 or None, got {context_length!r}")
+        if int(version) < 0:
+            raise ValueError(f"version must be >= 0, got {version!r}")
+        if local_rank is None:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        port, nccl_port = engine_ports(int(base_port), int(local_rank), int(port_stride))
+        kwargs = engine_server_args(
+            model_path=model_path,
+            local_rank=int(local_rank),
+            port=port,
+            nccl_port=nccl_port,
+            mem_fraction_static=float(mem_fraction_static),
+            dtype=dtype,
+            load_format=load_format,
+            memory_mode=memory_mode,
+            weights_cpu_backup=bool(weights_cpu_backup),
+            random_seed=int(random_seed),
+            version=int(version),
+            context_length=None if context_length is None else int(context_length),
+            sampling_backend=sampling_backend,
+            enable_deterministic_inference=bool(enable_deterministic_inference),
+            rl_on_policy_target=rl_on_policy_target,
+            log_level=log_level,
+        )
+        extra = dict(extra_server_args or {})
+        clash = sorted(set(extra) & set(kwargs))
+        if clash:
+            raise ValueError(
+                f"extra_server_args repeats {clash}, which SGLangEngine sets itself; use the "
+                "constructor arguments instead"
+            )
+        kwargs.update(extra)
+        check_environment(os.environ)
+        if _running_loop() is not None:
+            raise RuntimeError(
+                "build SGLangEngine outside a running asyncio event loop (the engine's loop runs "
+                "in a thread of its own)"
+            )
+        if _child_processes():
+            warnings.warn(
+                "SGLangEngine is being built after other child processes were started; note "
+                "that its shutdown() kills every child process of this process",
+                stacklevel=2,
+            )
+
+        self.memory_mode: str = memory_mode
+        self.local_rank = int(local_rank)
+        self.server_args: dict[str, Any] = kwargs
+        self._context_length = kwargs["context_length"]
+        self._sampling_backend = sampling_backend
+        self._weights_cpu_backup = bool(weights_cpu_backup)
+        self._dtype = ENGINE_DTYPES[dtype]
+        self._device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else None
+        self._version = int(version)
+        self._stamped = int(version)  # newest version handed to the engine
+        # loop-side state (touched only by coroutines on the engine loop)
+        self._memory = "awake"  # awake | asleep | weights_only
+        self._has_weights = load_format != "dummy"
+        self._paused = False
+        self._publishing = False
+        self._aborting = False
+        self._inflight: dict[str, GenerateRequest] = {}
+        self._waiting = 0  # requests waiting at the gate
+        self._aborted: list[Completion] = []
+        self._rids = itertools.count()
+        self._cond: asyncio.Condition | None = None
+        # caller-side serialisation of control operations
+        self._control = threading.RLock()
+        self._closed = False
+
+        self._api = _load_sglang_api()
+        self._engine = self._api.Engine(**kwargs)
+        self._tm = self._engine.tokenizer_manager
+        self._loop: asyncio.AbstractEventLoop = self._engine.loop
+        if self._loop.is_running():
+            self._engine.shutdown()
+            raise RuntimeError("the SGLang engine's event loop is already running elsewhere")
+        self._thread = threading.Thread(
+            target=self._run_loop, name=f"sglang-engine-loop-{self.local_rank}", daemon=True
+        )
+        self._thread.start()
+        self._call(self._init_async())
+
+    # -- loop thread ---------------------------------------------------------------------------
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def _call(self, coro: Any) -> Any:
+        """Run ``coro`` on the engine loop and block for its result (from a plain thread)."""
+        if _running_loop() is not None:
+            coro.close()
+            raise RuntimeError(
+                "SGLangEngine methods block until done; call them from a thread without a running "
+                "event loop (e.g. through loop.run_in_executor), never from async code"
+            )
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("SGLangEngine methods cannot be called from the engine loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _init_async(self) -> None:
+        self._cond = asyncio.Condition()
+
+    def _gate_open(self) -> bool:
+        return not (self._paused or self._publishing)
+
+    async def _notify(self) -> None:
+        assert self._cond is not None
+        async with self._cond:
+            self._cond.notify_all()
+
+    # -- protocol ------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The weight version that the next sampled token will carry."""
+        return self._version
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """Complete every request (blocking; callable from a background thread)."""
+        requests = list(requests)
+        validate_requests(requests, max_seq_len=self._context_length)
+        self._check_sampling(requests)
+        self._check_open()
+        if not requests:
+            return []
+        return self._call(self._generate_async(requests))
+
+    def publish_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Load new weights bucket by bucket (HF names, full tensors), then stamp ``version``.
+
+        Iterates ``buckets`` in the calling thread (FSDP gathers are collectives: every rank must
+        call this with the same parameter order). See the module docstring for the sequence.
+        """
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an int, got {version!r}")
+        with self._control:
+            self._check_open()
+            if version < self._version:
+                raise ValueError(
+                    f"version must not decrease: got {version}, the engine has {self._version}"
+                )
+            self._call(self._begin_publish())
+            try:
+                for i, bucket in enumerate(buckets):
+                    named = self._prepare_bucket(bucket, i)
+                    payload = self._api.MultiprocessingSerializer.serialize(obj=named)
+                    self._call(self._push_bucket(payload, i))
+                    # the engine has loaded the bucket: drop every reference, free the IPC handles
+                    del bucket, named, payload
+                    _cuda_ipc_collect()
+                _cuda_ipc_collect()
+                self._call(self._finish_publish(version))
+            except BaseException:
+                self._call(self._fail_publish())
+                raise
+
+    def pause(self) -> None:
+        """Stop sampling; in-flight requests are retracted (their tokens kept, KV recomputed)."""
+        with self._control:
+            self._check_open()
+            self._call(self._pause_async())
+
+    def resume(self) -> None:
+        """Continue the paused requests with whatever weights are loaded now."""
+        with self._control:
+            self._check_open()
+            self._call(self._resume_async())
+
+    def abort(self) -> list[Completion]:
+        """Stop every in-flight request; return their partial completions.
+
+        Requests that ``pause()`` retracted return the tokens SGLang had already sent to this
+        process (see docs/sglang_backend.md, known limits); running requests return all theirs.
+        """
+        with self._control:
+            self._check_open()
+            return self._call(self._abort_async())
+
+    def sleep(self) -> None:
+        """sleep mode: release weights, KV cache and CUDA graphs (engine idle). overlap: no-op."""
+        if self.memory_mode != "sleep":
+            return
+        with self._control:
+            self._check_open()
+            self._call(self._sleep_async())
+
+    def wake(self) -> None:
+        """sleep mode: restore the weights' memory (values undefined unless weights_cpu_backup:
+        then everything is restored); the next publish_weights restores KV cache + CUDA graphs.
+        overlap: no-op."""
+        if self.memory_mode != "sleep":
+            return
+        with self._control:
+            self._check_open()
+            self._call(self._wake_async())
+
+    def shutdown(self) -> None:
+        """Abort what is in flight, stop the loop thread and the engine. Idempotent.
+
+        SGLang's ``Engine.shutdown`` kills EVERY child process of this process.
+        """
+        with self._control:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self._thread.is_alive():
+                    self._call(self._shutdown_async())
+            finally:
+                if self._thread.is_alive():
+                    self._loop.call_soon_threadsafe(self._loop.stop)
+                    self._thread.join(timeout=30.0)
+                self._engine.shutdown()
+
+    def __enter__(self) -> SGLangEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- checks (caller thread) ----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the SGLangEngine is shut down")
+
+    def _check_sampling(self, requests: Sequence[GenerateRequest]) -> None:
+        if self._sampling_backend == "pytorch":
+            return
+        for req in requests:
+            p = req.params
+            if p.seed is not None and p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0):
+                raise ValueError(
+                    f"request {req.request_id!r}: a per-request seed with top_k={p.top_k} / "
+                    f"top_p={p.top_p} needs SGLang's pytorch sampling backend (sampling_backend="
+                    f"{self._sampling_backend!r} refuses seeds there); set the engine's "
+                    "sampling_backend: pytorch, or sample without top-k/top-p"
+                )
+
+    def _check_can_generate(self) -> None:
+        if self._memory != "awake":
+            raise RuntimeError(
+                f"generate() while the engine is {self._memory.replace('_', ' ')}: in sleep mode "
+                "call wake() and then publish_weights(...) before generating"
+            )
+        if not self._has_weights:
+            raise RuntimeError(
+                "the engine has no valid weights (load_format='dummy', wake() without a CPU "
+                "backup, or a failed publish): call publish_weights(...) first"
+            )
+
+    def _prepare_bucket(self, bucket: WeightBucket, index: int) -> list[tuple[str, torch.Tensor]]:
+        named = []
+        for item in bucket:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError(f"bucket {index}: expected (hf_name, tensor) pairs, got {item!r}")
+            name, tensor = item
+            if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
+                raise TypeError(
+                    f"bucket {index}: {name} is a {type(tensor).__name__}; publish_weights needs "
+                    "full tensors (DTensor.full_tensor(), as minippo.parallel.full_tensor_buckets "
+                    "gives)"
+                )
+            t = tensor.detach()
+            t = t.to(dtype=self._dtype) if self._device is None else t.to(self._device, self._dtype)
+            named.append((name, t))
+        if not named:
+            raise ValueError(f"bucket {index} is empty")
+        return named
+
+    # -- coroutines (engine loop) --------------------------------------------------------------
+    async def _generate_async(self, requests: list[GenerateRequest]) -> list[Completion]:
+        if self._gate_open():
+            self._check_can_generate()  # fail fast, before any request is admitted
+        tasks = [asyncio.ensure_future(self._generate_one(r)) for r in requests]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:  # a cancelled request is aborted inside SGLang
+                task.cancel()
+            raise
+
+    async def _generate_one(self, req: GenerateRequest) -> Completion:
+        assert self._cond is not None
+        async with self._cond:
+            self._waiting += 1
+            try:
+                await self._cond.wait_for(lambda: self._aborting or self._gate_open())
+            finally:
+                self._waiting -= 1
+                self._cond.notify_all()
+            if self._aborting:
+                done = _empty_abort(req)
+                self._aborted.append(done)
+                return done
+            self._check_can_generate()
+            rid = f"{req.request_id}#{next(self._rids)}"
+            low = self._version
+            self._inflight[rid] = req
+        try:
+            out = await self._engine.async_generate(
+                input_ids=list(req.prompt_ids),
+                sampling_params=sglang_sampling_params(req.params),
+                return_logprob=True,
+                rid=rid,
+            )
+        finally:
+            async with self._cond:
+                del self._inflight[rid]
+                self._cond.notify_all()
+        done = completion_from_output(req, out, low=low, high=self._stamped)
+        if self._aborting:
+            self._aborted.append(done)
+        return done
+
+    async def _drain(self) -> None:
+        """Wait until no request is in flight (the gate must already be closed)."""
+        assert self._cond is not None
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._inflight)
+
+    async def _begin_publish(self) -> None:
+        if self._memory == "asleep":
+            raise RuntimeError(
+                "publish_weights() while the engine sleeps: call wake() first (sleep mode "
+                "sequence: wake -> publish_weights -> generate ... -> sleep)"
+            )
+        self._publishing = True  # no new request starts until the last bucket is in
+        try:
+            if not self._paused:
+                await self._drain()
+            ok, message = await self._tm.begin_weight_update(
+                obj=self._api.BeginWeightUpdateReqInput(), request=None
+            )
+            if not ok:
+                raise RuntimeError(f"SGLang begin_weight_update failed: {message}")
+        except BaseException:
+            self._publishing = False
+            await self._notify()
+            raise
+        self._has_weights = False  # until the whole set is in
+
+    async def _push_bucket(self, payload: Any, index: int) -> None:
+        ok, message = await self._tm.update_weights_from_tensor(
+            obj=self._api.UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=[payload],  # one payload per TP rank; tp_size == 1
+                load_format=None,
+                flush_cache=False,
+            ),
+            request=None,
+        )
+        if not ok:
+            raise RuntimeError(
+                f"SGLang update_weights_from_tensor failed on bucket {index}: {message}"
+            )
+
+    async def _finish_publish(self, version: int) -> None:
+        ok, message = await self._tm.end_weight_update(
+            obj=self._api.EndWeightUpdateReqInput(), request=None
+        )
+        if not ok:
+            raise RuntimeError(f"SGLang end_weight_update failed: {message}")
+        flushed = await self._tm.flush_cache()
+        if not flushed.success:
+            raise RuntimeError(f"SGLang flush_cache after the weight update failed: {flushed}")
+        self._stamped = max(self._stamped, version)
+        await self._tm.update_weight_version(
+            obj=self._api.UpdateWeightVersionReqInput(
+                new_version=str(version), abort_all_requests=False
+            )
+        )
+        if self._memory == "weights_only":
+            await self._tm.resume_memory_occupation(
+                obj=self._api.ResumeMemoryOccupationReqInput(tags=[_MEM_KV, _MEM_GRAPH]),
+                request=None,
+            )
+            self._memory = "awake"
+        self._version = version
+        self._has_weights = True
+        self._publishing = False
+        await self._notify()
+
+    async def _fail_publish(self) -> None:
+        # the weights may be half-updated: refuse to generate until a publish succeeds
+        self._has_weights = False
+        try:
+            await self._tm.end_weight_update(obj=self._api.EndWeightUpdateReqInput(), request=None)
+        finally:
+            self._publishing = False
+            await self._notify()
+
+    async def _pause_async(self) -> None:
+        if self._paused:
+            return
+        self._paused = True
+        await self._tm.pause_generation(obj=self._api.PauseGenerationReqInput(mode="retract"))
+
+    async def _resume_async(self) -> None:
+        if not self._paused:
+            return
+        await self._tm.continue_generation(obj=self._api.ContinueGenerationReqInput())
+        self._paused = False
+        await self._notify()
+
+    async def _abort_async(
+        self, resend_s: float = 0.5, timeout_s: float = 300.0
+    ) -> list[Completion]:
+        assert self._cond is not None
+        self._aborting = True
+        self._aborted = []
+        await self._notify()  # requests waiting at the gate finish as empty aborts
+        continued = self._paused and bool(self._inflight)
+        if continued:
+            # a request admitted just before pause() may still wait in the tokenizer manager
+            # (never sent to the scheduler, so abort_all would miss it): let it through
+            await self._tm.continue_generation(obj=self._api.ContinueGenerationReqInput())
+        start = time.monotonic()
+        last = None
+        while self._inflight:
+            now = time.monotonic()
+            if now - start > timeout_s:
+                raise RuntimeError(
+                    f"abort(): {len(self._inflight)} requests still in flight after {timeout_s} s; "
+                    "the SGLang scheduler is not answering"
+                )
+            if last is None or now - last > resend_s:
+                self._tm.abort_request(abort_all=True)
+                last = now
+            await asyncio.sleep(0.005)
+        if continued:
+            await self._tm.pause_generation(obj=self._api.PauseGenerationReqInput(mode="retract"))
+        async with self._cond:  # the woken gate waiters record their empty completions
+            await self._cond.wait_for(lambda: self._waiting == 0)
+        self._aborting = False
+        await self._notify()
+        done, self._aborted = self._aborted, []
+        return done
+
+    async def _sleep_async(self) -> None:
+        if self._memory == "asleep":
+            return
+        if self._inflight:
+            raise RuntimeError(
+                f"sleep() needs an idle engine, {len(self._inflight)} requests are in flight; "
+                "wait for them or abort() first"
+            )
+        # after wake() without a publish only the weights hold memory
+        tags = [_MEM_WEIGHTS] if self._memory == "weights_only" else None  # None = all
+        await self._tm.release_memory_occupation(
+            obj=self._api.ReleaseMemoryOccupationReqInput(tags=tags), request=None
+        )
+        self._memory = "asleep"
+
+    async def _wake_async(self) -> None:
+        if self._memory != "asleep":
+            return
+        if self._weights_cpu_backup:
+            await self._tm.resume_memory_occupation(
+                obj=self._api.ResumeMemoryOccupationReqInput(tags=None), request=None
+            )
+            self._memory = "awake"
+        else:
+            await self._tm.resume_memory_occupation(
+                obj=self._api.ResumeMemoryOccupationReqInput(tags=[_MEM_WEIGHTS]), request=None
+            )
+            self._memory = "weights_only"
+            self._has_weights = False  # undefined contents until the next publish
+
+    async def _shutdown_async(self) -> None:
+        if self._inflight or self._paused:
+            await self._abort_async()
+        me = asyncio.current_task()
+        for task in asyncio.all_tasks():
+            if task is not me:
+                task.cancel()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _child_processes() -> list[Any]:
+    import multiprocessing
+
+    return multiprocessing.active_children()

@@ -107,12 +107,27 @@ def local_shards(model: nn.Module) -> list[torch.Tensor]:
     """
     from torch.distributed.tensor import DTensor
 
+    _reshard(model)
     out = []
     with torch.no_grad():
         for p in model.parameters():
             t = p.detach()
             out.append(t.to_local() if isinstance(t, DTensor) else t)
     return out
+
+
+def _reshard(model: nn.Module) -> None:
+    """Put every FSDP2 module of ``model`` back in the sharded state.
+
+    After a forward without backward FSDP2 may keep parameters unsharded (always for the root):
+    the registered parameters are then plain full tensors that the next forward reuses and the
+    next reshard discards. Reading or writing the local shards is only meaningful when sharded.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _is_sharded(model: nn.Module) -> list[bool]:
@@ -157,17 +172,24 @@ class _ParamSwap:
         self._saved: list[torch.Tensor] | None = None
 
     @contextmanager
-    def borrow(self, model: nn.Module) -> Iterator[list[torch.Tensor]]:
-        """Yield the model's local shards; whatever is copied into them is undone on exit."""
+    def borrow(self, model: nn.Module) -> Iterator[Callable[[list[torch.Tensor]], None]]:
+        """Yield ``load(weights)``, which copies weights into the model's local shards in place;
+        the original weights are back on exit (also on error)."""
         shards = local_shards(model)
         if self._saved is None or [s.shape for s in self._saved] != [s.shape for s in shards]:
             self._saved = _alloc_like(shards, dtype=None, device=self.device)
+
+        def load(weights: list[torch.Tensor]) -> None:
+            _check_like("the weights to load", weights, shards)
+            _reshard(model)  # a forward may have left unsharded copies that would shadow the write
+            torch._foreach_copy_(shards, weights)
+
         with torch.no_grad():
             torch._foreach_copy_(self._saved, shards)
             try:
-                yield shards
+                yield load
             finally:
-                torch._foreach_copy_(shards, self._saved)
+                load(self._saved)
 
 
 def _process_group(group: Any) -> Any:
@@ -944,13 +966,12 @@ class KeepOldActor(Correction):
             self._swap = _ParamSwap(self._storage_device(shards0))
         anchor = torch.zeros_like(batch.rollout_logprobs, dtype=torch.float32)
         source = torch.full_like(versions, -1)  # the snapshot version each anchor came from
-        with self._swap.borrow(actor) as shards:
+        with self._swap.borrow(actor) as load:
             for v in to_score:
                 snap = self._snapshots.get(v)
                 if snap is None:
                     continue
-                _check_like(f"snapshot of version {v}", snap.tensors, shards)
-                torch._foreach_copy_(shards, snap.tensors)
+                load(snap.tensors)
                 lp = self._score(actor, batch)
                 sel = valid & (versions == v)
                 anchor = torch.where(sel, lp, anchor)
@@ -1105,9 +1126,8 @@ class EWMA(Correction):
         if self.theta_bar is None:
             self._reset(actor)
         mu, mask = batch.rollout_logprobs.float(), batch.response_mask
-        with self._swap.borrow(actor) as shards:
-            _check_like("EWMA θ̄", self.theta_bar, shards)
-            torch._foreach_copy_(shards, self.theta_bar)
+        with self._swap.borrow(actor) as load:
+            load(self.theta_bar)
             anchor = self._score(actor, batch)
         w = symmetric_mask_weights(anchor, mu, mask, cap=self.cap)
         # the reset decision is global: every rank's θ̄ shard must stay one model

@@ -91,9 +91,12 @@ def make_batch(versions: list[list[int]], seed: int = 0) -> RolloutBatch:
 
 
 class ForwardCounter:
+    """Counts forward passes through the model (its embedding runs once per pass, whether the
+    pass is ``forward`` or ``score``)."""
+
     def __init__(self, model):
         self.n = 0
-        model.register_forward_hook(lambda *a: self._hit())
+        model.tok_embeddings.register_forward_hook(lambda *a: self._hit())
 
     def _hit(self):
         self.n += 1

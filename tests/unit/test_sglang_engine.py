@@ -1,0 +1,1001 @@
+"""SGLangEngine on CPU, against a recording stand-in of SGLang 0.5.23's Engine.
+
+The stand-in (``FakeSGLang``) behaves like the documented API, including the details the backend
+depends on: ``Engine(**server_args)`` reads ``config.json`` from ``model_path`` and, with
+``load_format="dummy"``, starts from random weights; ``async_generate`` returns the documented dict
+(``output_ids``; ``meta_info`` with ``finish_reason {"type"}``, ``weight_version``,
+``weight_versions`` spans and ``output_token_logprobs`` as ``(logprob, token_id, None)``) and
+samples from a real tiny Qwen3 (so the logprob semantics are real: ``log_softmax(logits / T)``
+after SGLang's greedy rewrite T < 1e-6 -> T = 1, top_k = 1); the tokenizer manager's pause / continue
+/ weight-update / memory coroutines and the synchronous ``abort_request`` follow the scheduler's
+rules (update_weights_from_tensor only inside a begin/end session, waits for running requests
+unless paused; release needs an idle engine; released weights are garbage until pushed again;
+generating with a released KV cache fails; a version change records (old version, tokens so far)
+for every live request; aborting a retracted request returns what was streamed so far, a
+multiple of 50 tokens). Every call is recorded, so the tests assert the exact call sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import minippo.engine.sglang_engine as backend
+from minippo.config import instantiate
+from minippo.engine import GenerateRequest, SamplingParams
+from minippo.engine.sglang_engine import (
+    SGLangEngine,
+    completion_from_output,
+    engine_ports,
+    sglang_sampling_params,
+    token_versions,
+)
+from minippo.models import Transformer, init_weights, native_name, qwen3_tiny, token_logprobs
+from minippo.models.checkpoint import hf_config_from_model_args, model_args_from_hf_config
+from minippo.parallel import full_tensor_buckets
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests/ folder
+from engine_suite import EngineHarness, EngineProtocolSuite
+
+ARGS = qwen3_tiny()
+EOS = 63  # the stand-in model's EOS id (config.json "eos_token_id")
+FORCE_STREAM_INTERVAL = 50  # SGLANG_FORCE_STREAM_INTERVAL's default in 0.5.23
+
+# ----------------------------------------------------------------------------------------------
+# The stand-in
+
+
+@dataclass(kw_only=True)
+class PauseGenerationReqInput:
+    mode: str = "abort"
+
+
+@dataclass(kw_only=True)
+class ContinueGenerationReqInput:
+    torch_empty_cache: bool = True
+
+
+@dataclass(kw_only=True)
+class BeginWeightUpdateReqInput:
+    selector: str = "all"
+
+
+@dataclass(kw_only=True)
+class EndWeightUpdateReqInput:
+    pass
+
+
+@dataclass(kw_only=True)
+class UpdateWeightsFromTensorReqInput:
+    serialized_named_tensors: list
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: str = "all"
+    torch_empty_cache: bool = False
+
+
+@dataclass(kw_only=True)
+class UpdateWeightVersionReqInput:
+    new_version: str
+    abort_all_requests: bool = True
+
+
+@dataclass(kw_only=True)
+class ReleaseMemoryOccupationReqInput:
+    tags: list | None = None
+
+
+@dataclass(kw_only=True)
+class ResumeMemoryOccupationReqInput:
+    tags: list | None = None
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+class FakeSerializer:
+    """Stands for MultiprocessingSerializer: bytes in, the same objects out (in-process)."""
+
+    payloads: dict[bytes, object] = {}  # noqa: RUF012
+    _ids = itertools.count()
+
+    @staticmethod
+    def serialize(obj, output_str=False):
+        key = b"ipc-payload-%d" % next(FakeSerializer._ids)
+        FakeSerializer.payloads[key] = obj
+        return key
+
+    @staticmethod
+    def deserialize(data):
+        return FakeSerializer.payloads.pop(data)
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt: list[int]
+    sp: dict
+    gen: torch.Generator | None
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    events: list[tuple[str, int]] = field(default_factory=list)  # (old version, n tokens)
+    dispatched: bool = False
+    retracted: bool = False
+    abort: bool = False
+    finish: dict | None = None
+
+
+SAMPLING_KEYS = {  # sglang.srt.sampling.sampling_params.SamplingParams API fields (subset)
+    "max_new_tokens", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
+    "ignore_eos", "sampling_seed", "n", "stop",
+}  # fmt: skip
+
+
+class FakeTokenizerManager:
+    def __init__(self, engine: FakeEngine) -> None:
+        self.e = engine
+        self.is_pause = False
+        self.session = False
+
+    async def pause_generation(self, obj):
+        assert isinstance(obj, PauseGenerationReqInput)
+        e = self.e
+        counts = {r.rid: len(r.out) for r in e.live.values() if r.dispatched}
+        e.log.append(("pause_generation", obj.mode, counts))
+        self.is_pause = True
+        e.sched_paused = True
+        if obj.mode == "retract":
+            for r in e.live.values():
+                if r.dispatched:
+                    r.retracted = True
+
+    async def continue_generation(self, obj):
+        assert isinstance(obj, ContinueGenerationReqInput)
+        self.e.log.append(("continue_generation",))
+        self.is_pause = False
+        self.e.sched_paused = False
+        await self.e.wake_all()
+
+    def abort_request(self, rid: str = "", abort_all: bool = False):
+        e = self.e
+        e.log.append(("abort_request", rid, abort_all))
+        for r in list(e.live.values()):
+            if (abort_all or r.rid.startswith(rid)) and r.dispatched and r.finish is None:
+                if r.retracted:  # in the waiting queue: what was streamed so far
+                    keep = (len(r.out) // FORCE_STREAM_INTERVAL) * FORCE_STREAM_INTERVAL
+                    del r.out[keep:], r.logprobs[keep:]
+                    r.events = [(v, min(n, keep)) for v, n in r.events if min(n, keep) > 0]
+                    r.finish = {"type": "abort", "message": "Abort in waiting queue"}
+                else:  # running: finishes at its next step with everything
+                    r.abort = True
+        e.notify_soon()
+
+    async def begin_weight_update(self, obj, request=None):
+        assert isinstance(obj, BeginWeightUpdateReqInput)
+        self.e.log.append(("begin_weight_update",))
+        if self.session:
+            return False, "a weight-update session is already open"
+        self.session = True
+        return True, "Success"
+
+    async def end_weight_update(self, obj, request=None):
+        assert isinstance(obj, EndWeightUpdateReqInput)
+        self.e.log.append(("end_weight_update",))
+        if not self.session:
+            return False, "no weight-update session is open"
+        self.session = False
+        return True, "Success"
+
+    async def update_weights_from_tensor(self, obj, request=None):
+        assert isinstance(obj, UpdateWeightsFromTensorReqInput)
+        e = self.e
+        if not self.is_pause:  # the model_update_lock writer: waits for running requests
+            await e.wait_until(lambda: not e.live)
+        (payload,) = obj.serialized_named_tensors  # one per TP rank
+        named = FakeSerializer.deserialize(payload)
+        e.log.append(
+            (
+                "update_weights_from_tensor",
+                [n for n, _ in named],
+                {t.dtype for _, t in named},
+                sum(t.numel() * t.element_size() for _, t in named),
+                obj.load_format,
+                obj.flush_cache,
+                obj.weight_version,
+            )
+        )
+        if e.fail_bucket is not None and e.updates_seen == e.fail_bucket:
+            e.updates_seen += 1
+            return False, "injected failure"
+        e.updates_seen += 1
+        if not self.session:
+            return False, "update_weights_from_tensor must run between begin_weight_update() ..."
+        if "weights" in e.released:
+            raise RuntimeError("weights memory is released: the engine process would crash")
+        params = dict(e.model.named_parameters())
+        with torch.no_grad():
+            for name, t in named:
+                params[native_name(name)].copy_(t.float())
+        return True, "Success"
+
+    async def flush_cache(self, timeout_s=None):
+        e = self.e
+        # fails while requests run; retracted (paused) ones in the waiting queue do not count
+        running = [r for r in e.live.values() if r.dispatched and not r.retracted]
+        ok = not running
+        e.log.append(("flush_cache", ok))
+        return FlushCacheReqOutput(success=ok)
+
+    async def update_weight_version(self, obj):
+        assert isinstance(obj, UpdateWeightVersionReqInput)
+        e = self.e
+        e.log.append(("update_weight_version", obj.new_version, obj.abort_all_requests))
+        if obj.new_version != e.version:
+            for r in e.live.values():
+                if r.out:
+                    r.events.append((e.version, len(r.out)))
+            e.version = obj.new_version
+
+    async def release_memory_occupation(self, obj, request=None):
+        e = self.e
+        e.log.append(("release_memory_occupation", obj.tags))
+        running = [r for r in e.live.values() if r.dispatched and not r.retracted]
+        assert not running, "release_memory_occupation should be called only when server is idle."
+        tags = obj.tags or ["weights", "kv_cache", "cuda_graph"]
+        e.released |= set(tags)
+        if "weights" in tags:
+            e.backup = {n: p.detach().clone() for n, p in e.model.named_parameters()}
+            with torch.no_grad():
+                for p in e.model.parameters():
+                    p.fill_(float("nan"))  # the memory is gone: contents undefined
+
+    async def resume_memory_occupation(self, obj, request=None):
+        e = self.e
+        e.log.append(("resume_memory_occupation", obj.tags))
+        tags = obj.tags or ["weights", "kv_cache", "cuda_graph"]
+        e.released -= set(tags)
+        if "weights" in tags and e.kwargs["enable_weights_cpu_backup"]:
+            with torch.no_grad():
+                for n, p in e.model.named_parameters():
+                    p.copy_(e.backup[n])
+
+
+class FakeEngine:
+    """Stands for sglang.srt.entrypoints.engine.Engine (see the module docstring)."""
+
+    instances: list[FakeEngine] = []  # noqa: RUF012
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs = kwargs
+        self.log: list[tuple] = [("Engine", kwargs)]
+        with open(Path(kwargs["model_path"]) / "config.json") as f:
+            cfg = json.load(f)
+        self.eos = {int(cfg["eos_token_id"])} if "eos_token_id" in cfg else set()
+        self.model = Transformer(model_args_from_hf_config(cfg)).eval()
+        assert kwargs["load_format"] == "dummy"
+        init_weights(self.model, seed=kwargs["random_seed"] + 12345, std=0.1)
+        self.version = kwargs["weight_version"]
+        self.tokenizer_manager = FakeTokenizerManager(self)
+        self.loop = asyncio.new_event_loop()
+        self.live: dict[str, _Req] = {}
+        self.sched_paused = False
+        self.released: set[str] = set()
+        self.backup: dict = {}
+        self.step_s = 0.0005
+        self.fail_bucket: int | None = None
+        self.updates_seen = 0
+        self.closed = False
+        self._cond: asyncio.Condition | None = None
+        FakeEngine.instances.append(self)
+
+    # helpers (engine loop)
+    def cond(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def wake_all(self):
+        async with self.cond():
+            self.cond().notify_all()
+
+    def notify_soon(self):
+        asyncio.get_running_loop().create_task(self.wake_all())
+
+    async def wait_until(self, pred):
+        async with self.cond():
+            while not pred():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.cond().wait(), timeout=0.005)
+
+    def progress(self) -> dict[str, int]:
+        return {r.rid: len(r.out) for r in list(self.live.values())}
+
+    async def async_generate(
+        self, input_ids=None, sampling_params=None, return_logprob=False, rid=None, **unused
+    ):
+        assert not unused, unused
+        assert isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], int)
+        assert return_logprob is True and isinstance(rid, str)
+        unknown = set(sampling_params) - SAMPLING_KEYS
+        assert not unknown, f"not SGLang sampling params: {unknown}"
+        sp = {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "max_new_tokens": 128,
+            **sampling_params,
+        }
+        if 0 <= sp["temperature"] < 1e-6:  # SGLang's greedy rewrite
+            sp["temperature"], sp["top_k"] = 1.0, 1
+        seed = sp.get("sampling_seed")
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        r = _Req(rid, list(input_ids), sp, gen)
+        self.live[rid] = r
+        tm = self.tokenizer_manager
+        try:
+            await self.wait_until(lambda: not tm.is_pause)  # the tokenizer manager's pause gate
+            r.dispatched = True
+            self.log.append(("dispatch", rid))
+            while r.finish is None:
+                await self.wait_until(lambda: not self.sched_paused or r.finish is not None)
+                if r.finish is not None:
+                    break
+                if r.abort:
+                    r.finish = {"type": "abort", "message": "Aborted"}
+                    break
+                r.retracted = False
+                self._step(r)
+                await asyncio.sleep(self.step_s)
+        finally:
+            del self.live[rid]
+            await self.wake_all()
+        self.log.append(("finish", rid, r.finish["type"], len(r.out)))
+        n = len(r.out)
+        spans = []
+        for v, end in [*r.events, (self.version, n)]:
+            end = min(end, n)
+            if spans and end <= spans[-1]["end"]:
+                continue
+            if spans and v == spans[-1]["version"]:
+                spans[-1]["end"] = end
+                continue
+            spans.append({"version": v, "start": spans[-1]["end"] if spans else 0, "end": end})
+        return {
+            "output_ids": list(r.out),
+            "meta_info": {
+                "id": rid,
+                "finish_reason": r.finish,
+                "prompt_tokens": len(r.prompt),
+                "weight_version": self.version,
+                "completion_tokens": n,
+                "weight_versions": spans,
+                "output_token_logprobs": [(lp, t, None) for lp, t in zip(r.logprobs, r.out)],
+            },
+        }
+
+    @torch.no_grad()
+    def _step(self, r: _Req) -> None:
+        if self.released & {"kv_cache", "cuda_graph"}:
+            raise RuntimeError("generating with a released KV cache: the engine would crash")
+        logits = self.model(torch.tensor([r.prompt + r.out]))[0, -1].float()
+        z = logits / r.sp["temperature"]
+        logprobs = torch.log_softmax(z, -1)  # reported: full vocabulary, not renormalised
+        keep = z.clone()
+        k = r.sp["top_k"]
+        if 0 < k < keep.numel():
+            keep[keep < keep.topk(k).values[-1]] = -math.inf
+        if r.sp["top_p"] < 1.0:
+            probs = torch.softmax(keep, -1)
+            order = probs.argsort(descending=True)
+            cum = probs[order].cumsum(0)
+            drop = order[(cum - probs[order]) > r.sp["top_p"]]
+            keep[drop] = -math.inf
+        tok = int(torch.multinomial(torch.softmax(keep, -1), 1, generator=r.gen))
+        r.out.append(tok)
+        r.logprobs.append(float(logprobs[tok]))
+        stops = (
+            set() if r.sp.get("ignore_eos") else set(r.sp.get("stop_token_ids") or ()) | self.eos
+        )
+        if tok in stops:
+            r.finish = {"type": "stop", "matched": tok}
+        elif len(r.out) >= r.sp["max_new_tokens"]:
+            r.finish = {"type": "length", "length": len(r.out)}
+
+    def shutdown(self):
+        self.log.append(("shutdown",))
+        self.closed = True
+
+
+def fake_api() -> SimpleNamespace:
+    return SimpleNamespace(
+        Engine=FakeEngine,
+        MultiprocessingSerializer=FakeSerializer,
+        PauseGenerationReqInput=PauseGenerationReqInput,
+        ContinueGenerationReqInput=ContinueGenerationReqInput,
+        BeginWeightUpdateReqInput=BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput=EndWeightUpdateReqInput,
+        UpdateWeightsFromTensorReqInput=UpdateWeightsFromTensorReqInput,
+        UpdateWeightVersionReqInput=UpdateWeightVersionReqInput,
+        ReleaseMemoryOccupationReqInput=ReleaseMemoryOccupationReqInput,
+        ResumeMemoryOccupationReqInput=ResumeMemoryOccupationReqInput,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Trainer side: models per version, HF buckets, reference logprobs
+
+_MODELS: dict[int, Transformer] = {}
+
+
+def model_of(version: int) -> Transformer:
+    if version not in _MODELS:
+        _MODELS[version] = init_weights(Transformer(ARGS), seed=2000 + version, std=0.1).eval()
+    return _MODELS[version]
+
+
+def weights(version: int, bucket_bytes: int = 40_000):
+    return list(full_tensor_buckets(model_of(version), bucket_bytes=bucket_bytes))
+
+
+@torch.no_grad()
+def reference_logprobs(version, prompt_ids, token_ids, temperature):
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
+    lp = token_logprobs(
+        model_of(version), ids, temperature=temperature or 1.0, start=len(prompt_ids)
+    )
+    return lp[0].tolist()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The stand-in runs its forwards on the engine-loop thread; with several OpenMP threads per
+    calling thread on a loaded 2-core machine that is ~100x slower. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    cfg = hf_config_from_model_args(ARGS)
+    cfg["eos_token_id"] = EOS
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Use the stand-in; record the IPC-collect hook calls into the engine's log."""
+    monkeypatch.setattr(backend, "_load_sglang_api", fake_api)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
+    FakeEngine.instances.clear()
+
+    def ipc_collect():
+        FakeEngine.instances[-1].log.append(("ipc_collect",))
+
+    monkeypatch.setattr(backend, "_cuda_ipc_collect", ipc_collect)
+    return FakeEngine.instances
+
+
+def make_engine(model_path, publish_v0=True, **kw) -> SGLangEngine:
+    kw = {"dtype": "float32", "memory_mode": "sleep", "context_length": ARGS.max_seq_len, **kw}
+    eng = SGLangEngine(model_path, **kw)
+    if publish_v0:
+        eng.publish_weights(weights(0), version=0)
+    return eng
+
+
+def calls(fake_engine: FakeEngine, *names: str) -> list[tuple]:
+    """The recorded calls (only those named, if names are given), without dispatch/finish."""
+    skip = {"dispatch", "finish", "Engine"}
+    return [c for c in fake_engine.log if (c[0] in names if names else c[0] not in skip)]
+
+
+def run_in_thread(fn):
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, box
+
+
+def join(t, box, timeout=60):
+    t.join(timeout)
+    assert not t.is_alive()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def wait_for(pred, timeout=30.0):
+    deadline = time.time() + timeout
+    while not pred():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def req(prompt, rid, **params) -> GenerateRequest:
+    return GenerateRequest(list(prompt), SamplingParams(**params), rid)
+
+
+# ----------------------------------------------------------------------------------------------
+# The shared protocol suite against the stand-in
+
+
+class TestSGLangEngineProtocol(EngineProtocolSuite):
+    @pytest.fixture
+    def harness(self, fake, model_path):
+        return EngineHarness(
+            make_engine=lambda: make_engine(model_path),
+            vocab_size=ARGS.vocab_size,
+            max_seq_len=ARGS.max_seq_len,
+            weights=weights,
+            reference_logprobs=reference_logprobs,
+            logprob_tol=1e-4,
+            long_tokens=200,  # ~1 s on the stand-in: still running 50 ms after submission
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact call sequences
+
+
+def test_engine_kwargs_one_engine_per_rank(fake, model_path):
+    eng = make_engine(
+        model_path, publish_v0=False, local_rank=3, base_port=31000, port_stride=10,
+        mem_fraction_static=0.35, memory_mode="overlap", dtype="bfloat16", version=4,
+    )  # fmt: skip
+    kw = fake[-1].kwargs
+    assert kw["tp_size"] == 1 and kw["base_gpu_id"] == 3
+    assert (kw["port"], kw["nccl_port"]) == (31030, 31031)
+    assert kw["skip_tokenizer_init"] is True and kw["load_format"] == "dummy"
+    assert kw["mem_fraction_static"] == 0.35 and kw["dtype"] == "bfloat16"
+    assert kw["enable_memory_saver"] is False  # overlap mode needs no release/resume
+    assert kw["weight_version"] == "4" and eng.version == 4
+    assert tuple(kw) == backend.SERVER_ARG_KEYS
+    eng.shutdown()
+    eng.shutdown()  # idempotent
+    assert calls(fake[-1], "shutdown") == [("shutdown",)]
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.generate([req([1], "a")])
+
+
+def test_local_rank_defaults_to_env(fake, model_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    eng = make_engine(model_path, publish_v0=False)
+    assert fake[-1].kwargs["base_gpu_id"] == 5
+    assert fake[-1].kwargs["port"] == 30000 + 5 * 8
+    eng.shutdown()
+
+
+def test_publish_sequence_buckets_names_dtypes_and_ipc_collect(fake, model_path):
+    eng = make_engine(model_path, publish_v0=False, memory_mode="overlap", dtype="bfloat16")
+    bucket_bytes = 40_000
+    buckets = weights(1, bucket_bytes)
+    eng.publish_weights(iter(buckets), version=1)
+    seq = calls(fake[-1])
+    n = len(buckets)
+    assert [c[0] for c in seq] == [
+        "begin_weight_update",
+        *["update_weights_from_tensor", "ipc_collect"] * n,
+        "ipc_collect",  # once more after the last bucket
+        "end_weight_update",
+        "flush_cache",
+        "update_weight_version",
+    ]
+    updates = [c for c in seq if c[0] == "update_weights_from_tensor"]
+    hf_names = [name for b in buckets for name, _ in b]
+    assert [name for u in updates for name in u[1]] == hf_names  # same names, same order
+    assert "lm_head.weight" not in hf_names  # tied: skipped
+    assert hf_names[0] == "model.embed_tokens.weight"
+    for u, b in zip(updates, buckets):
+        _, names, dtypes, nbytes, load_format, flush, version = u
+        assert dtypes == {torch.bfloat16}  # cast to the engine dtype
+        assert nbytes == sum(t.numel() * 2 for _, t in b)
+        assert nbytes <= bucket_bytes // 2 or len(names) == 1  # fp32 buckets -> bf16 halves
+        assert (load_format, flush, version) == (None, False, None)
+    assert seq[-3:] == [
+        ("end_weight_update",),
+        ("flush_cache", True),
+        ("update_weight_version", "1", False),
+    ]
+    assert eng.version == 1
+    # the engine now holds the trainer's weights (bf16-rounded)
+    for name, p in fake[-1].model.named_parameters():
+        ref = dict(model_of(1).named_parameters())[name]
+        assert torch.equal(p, ref.detach().to(torch.bfloat16).float())
+    eng.shutdown()
+
+
+def test_sleep_wake_ordering(fake, model_path):
+    eng = make_engine(model_path)  # sleep mode, fp32
+    f = fake[-1]
+    assert f.kwargs["enable_memory_saver"] is True
+    r = req([1, 2, 3], "a", max_new_tokens=4, seed=1)
+    eng.generate([r])
+    del f.log[:]
+    eng.sleep()
+    assert calls(f) == [("release_memory_occupation", None)]  # all: weights, KV, CUDA graphs
+    with pytest.raises(RuntimeError, match="sleep"):
+        eng.generate([r])
+    with pytest.raises(RuntimeError, match="wake"):
+        eng.publish_weights(weights(1), version=1)
+    eng.wake()
+    assert calls(f)[-1] == ("resume_memory_occupation", ["weights"])
+    with pytest.raises(RuntimeError, match="publish_weights"):
+        eng.generate([r])  # weights are garbage, KV cache still released
+    del f.log[:]
+    eng.publish_weights(weights(1), version=1)
+    assert [c[0] for c in calls(f) if c[0] != "ipc_collect"][-5:] == [
+        "update_weights_from_tensor",
+        "end_weight_update",
+        "flush_cache",
+        "update_weight_version",
+        "resume_memory_occupation",
+    ]
+    assert calls(f)[-1] == ("resume_memory_occupation", ["kv_cache", "cuda_graph"])
+    (c,) = eng.generate([r])
+    assert c.versions == [1] * 4
+    ref = reference_logprobs(1, r.prompt_ids, c.token_ids, 1.0)
+    assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) <= 1e-4
+    # sleeping again right after wake() (no publish) releases only the weights
+    eng.sleep()
+    eng.wake()
+    eng.sleep()
+    assert calls(f, "release_memory_occupation")[-1] == ("release_memory_occupation", ["weights"])
+    eng.shutdown()
+
+
+def test_sleep_with_cpu_backup_restores_weights(fake, model_path):
+    eng = make_engine(model_path, weights_cpu_backup=True)
+    f = fake[-1]
+    r = req([4, 5], "a", max_new_tokens=5, seed=3)
+    (before,) = eng.generate([r])
+    eng.sleep()
+    eng.wake()
+    assert calls(f)[-1] == ("resume_memory_occupation", None)
+    (after,) = eng.generate([r])  # no publish needed
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+    eng.shutdown()
+
+
+def test_overlap_mode_sleep_wake_are_noops(fake, model_path):
+    eng = make_engine(model_path, memory_mode="overlap")
+    n = len(fake[-1].log)
+    eng.sleep()
+    eng.wake()
+    assert len(fake[-1].log) == n
+    eng.shutdown()
+
+
+def test_sleep_needs_idle_engine(fake, model_path):
+    eng = make_engine(model_path)
+    t, box = run_in_thread(lambda: eng.generate([req([1], "long", max_new_tokens=400, seed=0)]))
+    wait_for(lambda: fake[-1].progress().get("long#0", 0) >= 2)
+    with pytest.raises(RuntimeError, match="idle"):
+        eng.sleep()
+    eng.abort()
+    join(t, box)
+    eng.shutdown()
+
+
+def test_partial_rollout_versions_are_exact(fake, model_path):
+    """pause -> publish -> resume: token i carries the version that sampled it."""
+    eng = make_engine(model_path)
+    f = fake[-1]
+    r = req([5, 6, 7], "span", max_new_tokens=300, seed=11)
+    t, box = run_in_thread(lambda: eng.generate([r]))
+    wait_for(lambda: f.progress().get("span#0", 0) >= 5)
+    eng.pause()
+    (pause,) = calls(f, "pause_generation")
+    assert pause[1] == "retract"
+    n_old = pause[2]["span#0"]
+    time.sleep(0.02)
+    assert f.progress()["span#0"] == n_old  # paused: no token is produced
+    eng.publish_weights(weights(1), version=1)
+    eng.resume()
+    (c,) = join(t, box)
+    assert 5 <= n_old < 300 and len(c.token_ids) == 300
+    assert c.versions == [0] * n_old + [1] * (300 - n_old)
+    old = reference_logprobs(0, r.prompt_ids, c.token_ids, 1.0)
+    new = reference_logprobs(1, r.prompt_ids, c.token_ids, 1.0)
+    assert max(abs(a - b) for a, b in zip(c.logprobs[:n_old], old[:n_old])) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(c.logprobs[n_old:], new[n_old:])) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(old[n_old:], new[n_old:])) > 1e-2
+    # while paused the publish does not wait for the request, and never drains it
+    names = [x[0] for x in calls(f) if x[0] != "ipc_collect"]
+    i = names.index("pause_generation")
+    assert names[i + 1] == "begin_weight_update" and names[-1] == "continue_generation"
+    eng.shutdown()
+
+
+def test_publish_without_pause_drains_and_holds_new_requests(fake, model_path):
+    eng = make_engine(model_path)
+    f = fake[-1]
+    first = req([1, 2], "first", max_new_tokens=120, seed=1)
+    t1, box1 = run_in_thread(lambda: eng.generate([first]))
+    wait_for(lambda: f.progress().get("first#0", 0) >= 3)
+    t_pub, box_pub = run_in_thread(lambda: eng.publish_weights(weights(1), version=1))
+    time.sleep(0.02)
+    second = req([3, 4], "second", max_new_tokens=5, seed=2)
+    t2, box2 = run_in_thread(lambda: eng.generate([second]))
+    (c1,) = join(t1, box1)
+    join(t_pub, box_pub)
+    (c2,) = join(t2, box2)
+    assert c1.versions == [0] * 120 and c1.finish_reason == "length"
+    assert c2.versions == [1] * 5
+    log = f.log
+    begin = max(i for i, x in enumerate(log) if x[0] == "begin_weight_update")
+    assert log.index(("finish", "first#0", "length", 120)) < begin  # drained first
+    assert log.index(("update_weight_version", "1", False)) < log.index(("dispatch", "second#1"))
+    eng.shutdown()
+
+
+def test_abort_of_a_running_request_returns_all_its_tokens(fake, model_path):
+    eng = make_engine(model_path)
+    f = fake[-1]
+    r = req([1, 2], "a", max_new_tokens=400, seed=0)
+    t, box = run_in_thread(lambda: eng.generate([r]))
+    wait_for(lambda: f.progress().get("a#0", 0) >= 3)
+    (partial,) = eng.abort()
+    (c,) = join(t, box)
+    assert partial.finish_reason == "abort" and 3 <= len(partial.token_ids) < 400
+    assert c == partial
+    ref = reference_logprobs(0, r.prompt_ids, c.token_ids, 1.0)
+    assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) <= 1e-4
+    assert ("abort_request", "", True) in f.log
+    (c2,) = eng.generate([req([1], "b", max_new_tokens=2, seed=0)])
+    assert c2.finish_reason == "length"
+    eng.shutdown()
+
+
+def test_abort_while_paused_returns_the_streamed_prefix(fake, model_path):
+    """Known limit: a request that pause() retracted returns only the tokens SGLang had streamed
+    to this process (a multiple of SGLANG_FORCE_STREAM_INTERVAL = 50 for non-stream requests)."""
+    eng = make_engine(model_path)
+    f = fake[-1]
+    r = req([1, 2], "a", max_new_tokens=400, seed=0)
+    t, box = run_in_thread(lambda: eng.generate([r]))
+    wait_for(lambda: f.progress().get("a#0", 0) >= 60)
+    eng.pause()
+    n = calls(f, "pause_generation")[0][2]["a#0"]
+    (partial,) = eng.abort()
+    (c,) = join(t, box)
+    assert c == partial and c.finish_reason == "abort"
+    assert len(c.token_ids) == (n // 50) * 50 >= 50
+    assert c.versions == [0] * len(c.token_ids)
+    # the engine is paused again afterwards (abort let the request through to abort it)
+    names = [x[0] for x in calls(f)]
+    assert names[-3:] == ["continue_generation", "abort_request", "pause_generation"]
+    t2, box2 = run_in_thread(lambda: eng.generate([req([1], "b", max_new_tokens=2, seed=0)]))
+    time.sleep(0.05)
+    assert t2.is_alive()
+    eng.resume()
+    assert join(t2, box2)[0].finish_reason == "length"
+    eng.shutdown()
+
+
+def test_failed_bucket_ends_the_session_and_blocks_generation(fake, model_path):
+    eng = make_engine(model_path)
+    f = fake[-1]
+    f.fail_bucket = f.updates_seen + 1  # the second bucket of the next publish fails
+    with pytest.raises(RuntimeError, match="bucket 1: injected failure"):
+        eng.publish_weights(weights(1), version=1)
+    assert calls(f)[-1] == ("end_weight_update",)
+    assert eng.version == 0
+    with pytest.raises(RuntimeError, match="no valid weights"):
+        eng.generate([req([1], "a", max_new_tokens=2)])
+    eng.publish_weights(weights(1), version=1)
+    (c,) = eng.generate([req([1], "a", max_new_tokens=2, seed=0)])
+    assert c.versions == [1, 1]
+    eng.shutdown()
+
+
+def test_dummy_weights_refuse_generation_until_published(fake, model_path):
+    eng = make_engine(model_path, publish_v0=False)
+    with pytest.raises(RuntimeError, match="publish_weights"):
+        eng.generate([req([1], "a", max_new_tokens=2)])
+    assert calls(fake[-1], "dispatch") == []
+    eng.shutdown()
+
+
+def test_stop_ids_and_model_eos(fake, model_path):
+    """SGLang also stops at the model's EOS ids when a request has stop ids; without stop ids
+    the backend sets ignore_eos so that nothing stops the response (the protocol)."""
+    eng = make_engine(model_path)
+    f = fake[-1]
+    f.eos = set(range(ARGS.vocab_size))  # every token is an EOS of the model
+    (free,) = eng.generate([req([1], "a", max_new_tokens=6, seed=0)])
+    assert len(free.token_ids) == 6 and free.finish_reason == "length"
+    (stopped,) = eng.generate([req([1], "b", max_new_tokens=6, seed=0, stop_token_ids=(999,))])
+    assert len(stopped.token_ids) == 1 and stopped.finish_reason == "stop"
+    eng.shutdown()
+
+
+def test_blocking_methods_refuse_a_running_event_loop(fake, model_path):
+    eng = make_engine(model_path)
+
+    async def inside():
+        eng.generate([req([1], "a", max_new_tokens=2)])
+
+    with pytest.raises(RuntimeError, match="event loop"):
+        asyncio.run(inside())
+    eng.shutdown()
+
+
+def test_instantiate_from_yaml_component(fake, model_path):
+    eng = instantiate(
+        {
+            "_component_": "minippo.engine.sglang_engine.SGLangEngine",
+            "model_path": model_path,
+            "mem_fraction_static": 0.3,
+            "memory_mode": "sleep",
+            "extra_server_args": {"chunked_prefill_size": 4096},
+        }
+    )
+    assert isinstance(eng, SGLangEngine)
+    assert fake[-1].kwargs["mem_fraction_static"] == 0.3
+    assert fake[-1].kwargs["chunked_prefill_size"] == 4096
+    eng.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation before anything is started
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(mem_fraction_static=1.2), "mem_fraction_static"),
+        (dict(memory_mode="swap"), "memory_mode"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(port_stride=1), "port_stride"),
+        (dict(base_port=65530, local_rank=2), "65535"),
+        (dict(weights_cpu_backup=True, memory_mode="overlap"), "weights_cpu_backup"),
+        (dict(extra_server_args={"tp_size": 2}), "tp_size"),
+    ],
+)
+def test_bad_config_raises_before_the_engine_starts(fake, model_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        SGLangEngine(model_path, **kw)
+    assert fake == []
+
+
+@pytest.mark.parametrize(
+    "var, value, match",
+    [
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", "expandable_segments"),
+        ("SGLANG_RETURN_ORIGINAL_LOGPROB", "1", "temperature-1"),
+    ],
+)
+def test_environment_checked_before_the_engine_starts(
+    fake, model_path, monkeypatch, var, value, match
+):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(RuntimeError, match=match):
+        SGLangEngine(model_path)
+    assert fake == []
+
+
+def test_seeded_top_k_needs_the_pytorch_sampling_backend(fake, model_path):
+    eng = make_engine(model_path)
+    with pytest.raises(ValueError, match="sampling_backend: pytorch"):
+        eng.generate([req([1], "a", temperature=1.0, top_k=5, seed=1, max_new_tokens=2)])
+    eng.shutdown()
+    eng = make_engine(model_path, sampling_backend="pytorch")
+    (c,) = eng.generate([req([1], "a", temperature=1.0, top_k=5, seed=1, max_new_tokens=2)])
+    assert len(c.token_ids) == 2
+    eng.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def test_sampling_params_mapping():
+    assert sglang_sampling_params(SamplingParams()) == {
+        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 128, "ignore_eos": True,
+    }  # fmt: skip
+    sp = sglang_sampling_params(
+        SamplingParams(
+            temperature=0.5, top_k=4, top_p=0.9, max_new_tokens=7, stop_token_ids=(2, 3), seed=9
+        )
+    )
+    assert sp == {
+        "temperature": 0.5, "top_p": 0.9, "top_k": 4, "max_new_tokens": 7,
+        "stop_token_ids": [2, 3], "sampling_seed": 9,
+    }  # fmt: skip
+    assert "sampling_seed" not in sglang_sampling_params(SamplingParams(temperature=0.0, seed=1))
+
+
+def test_engine_ports():
+    assert engine_ports(30000, 0, 8) == (30000, 30001)
+    assert engine_ports(30000, 7, 8) == (30056, 30057)
+    with pytest.raises(ValueError, match="local_rank"):
+        engine_ports(30000, -1, 8)
+
+
+def _span(v, s, e):
+    return {"version": str(v), "start": s, "end": e}
+
+
+def test_token_versions_from_spans():
+    meta = {"weight_versions": [_span(2, 0, 3), _span(3, 3, 5)], "weight_version": "3"}
+    assert token_versions(meta, 5, low=2, high=3) == [2, 2, 2, 3, 3]
+    assert token_versions({"weight_versions": [_span(4, 0, 0)]}, 0, low=4, high=4) == []
+    with pytest.raises(RuntimeError, match="contiguous"):
+        token_versions({"weight_versions": [_span(2, 0, 2), _span(3, 3, 5)]}, 5, low=2, high=3)
+    with pytest.raises(RuntimeError, match="outside"):
+        token_versions({"weight_versions": [_span(1, 0, 5)]}, 5, low=2, high=3)
+    with pytest.raises(RuntimeError, match="outside"):  # decreasing
+        token_versions({"weight_versions": [_span(3, 0, 2), _span(2, 2, 5)]}, 5, low=2, high=3)
+    with pytest.raises(RuntimeError, match="cover 4"):
+        token_versions({"weight_versions": [_span(2, 0, 4)]}, 5, low=2, high=3)
+    with pytest.raises(RuntimeError, match="not an integer"):
+        token_versions(
+            {"weight_versions": [{"version": "default", "start": 0, "end": 1}]}, 1, low=0, high=0
+        )
+    # without spans: only when no publish happened while the request was in flight
+    assert token_versions({"weight_version": "6"}, 2, low=6, high=6) == [6, 6]
+    with pytest.raises(RuntimeError, match="cannot be attributed"):
+        token_versions({"weight_version": "7"}, 2, low=6, high=7)
+
+
+def test_completion_from_output_checks_alignment():
+    r = req([1, 2], "x", max_new_tokens=3)
+    meta = {
+        "finish_reason": {"type": "length", "length": 2},
+        "weight_version": "0",
+        "weight_versions": [_span(0, 0, 2)],
+        "output_token_logprobs": [(-0.5, 7, None), (-1.25, 8, None)],
+    }
+    c = completion_from_output(r, {"output_ids": [7, 8], "meta_info": meta}, low=0, high=0)
+    assert (c.token_ids, c.logprobs, c.versions, c.finish_reason) == (
+        [7, 8],
+        [-0.5, -1.25],
+        [0, 0],
+        "length",
+    )
+    bad = {**meta, "output_token_logprobs": [(-0.5, 7, None), (-1.25, 9, None)]}
+    with pytest.raises(RuntimeError, match="for token 9"):
+        completion_from_output(r, {"output_ids": [7, 8], "meta_info": bad}, low=0, high=0)
+    bad = {**meta, "finish_reason": None}
+    with pytest.raises(RuntimeError, match="finish_reason"):
+        completion_from_output(r, {"output_ids": [7, 8], "meta_info": bad}, low=0, high=0)
+
+
+def test_cuda_ipc_collect_is_guarded(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: seen.append(1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    backend._cuda_ipc_collect()
+    assert seen == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    backend._cuda_ipc_collect()
+    assert seen == [1]

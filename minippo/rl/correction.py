@@ -71,6 +71,8 @@ STORAGE_DTYPES = {
 # Constructor arguments every correction takes; the recipe passes them (see build_correction).
 COMMON_OPTIONS = ("temperature", "max_staleness", "updates_per_step", "score_fn", "process_group")
 COMPONENT_PREFIX = "minippo.rl.correction."
+# advantage estimators that train a critic (every other estimator counts as critic-free)
+CRITIC_ESTIMATORS = ("gae",)
 
 ScoreFn = Callable[[nn.Module, RolloutBatch], torch.Tensor]
 
@@ -170,6 +172,11 @@ class _ParamSwap:
     def __init__(self, device: torch.device | None = None):
         self.device = device
         self._saved: list[torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the reusable buffer (0 before the first swap)."""
+        return 0 if self._saved is None else _nbytes(self._saved)
 
     @contextmanager
     def borrow(self, model: nn.Module) -> Iterator[Callable[[list[torch.Tensor]], None]]:
@@ -997,6 +1004,7 @@ class KeepOldActor(Correction):
                 "correction/snapshot_versions": float(len(self._snapshots)),
                 "correction/snapshot_oldest_version": float(min(self._snapshots, default=-1)),
                 "correction/snapshot_bytes": float(self.snapshot_bytes),
+                "correction/swap_buffer_bytes": float(self._swap.nbytes),
             }
         )
         return out
@@ -1116,7 +1124,8 @@ class EWMA(Correction):
         sq = [0.0, 0.0]  # sharded (summed over ranks), replicated (counted once)
         with torch.no_grad():
             for tb, t, sharded in zip(self.theta_bar, shards, _is_sharded(actor)):
-                sq[0 if sharded else 1] += float((tb - t.float()).double().pow(2).sum())
+                # one tensor-sized fp32 temporary at a time
+                sq[0 if sharded else 1] += float(torch.linalg.vector_norm(tb - t.float())) ** 2
         group = _process_group(self.process_group)
         device = shards[0].device if shards else torch.device("cpu")
         (sharded_sq,) = _all_reduce([sq[0]], "sum", group, device)
@@ -1153,6 +1162,7 @@ class EWMA(Correction):
                 "correction/ewma_retained_before_reset": retained,
                 "correction/ewma_distance": self.distance(actor),
                 "correction/ewma_bytes": float(_nbytes(self.theta_bar)),
+                "correction/swap_buffer_bytes": float(self._swap.nbytes),
             }
         )
         return out
@@ -1282,7 +1292,7 @@ def validate_async_off_policy_correction(cfg: Any) -> str:
 
     Pure config check (no process group, model or engine); the recipe calls it first. Reads
     ``rollout.max_staleness`` (required int), ``rollout.partial_rollout`` (bool, default false),
-    ``advantage_estimator`` (required; "gae" uses a critic, as does a non-null ``critic`` node)
+    ``advantage_estimator`` (required; "gae" uses a critic, any other value counts as critic-free)
     and ``correction`` (a ``_component_`` node; absent or null means ``none``).
 
     Raises ValueError when the run is async (max_staleness ≥ 1 or partial rollouts) and uses a
@@ -1307,7 +1317,7 @@ def validate_async_off_policy_correction(cfg: Any) -> str:
             f'advantage_estimator must be set ("gae" with a critic, "grpo" critic-free), got '
             f"{estimator!r}"
         )
-    uses_critic = estimator == "gae" or _select(cfg, "critic") is not None
+    uses_critic = estimator in CRITIC_ESTIMATORS
     is_async = max_staleness >= 1 or partial_rollout
 
     method, options = _correction_node(cfg)

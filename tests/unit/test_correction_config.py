@@ -105,11 +105,9 @@ def test_synchronous_passes_silently():
         )
 
 
-def test_critic_node_counts_as_critic():
-    with pytest.raises(ValueError, match="Async PPO with a critic"):
-        validate_async_off_policy_correction(
-            run_cfg(None, estimator="grpo", critic={"_component_": "x.y"})
-        )
+def test_only_gae_counts_as_critic():
+    with pytest.warns(UserWarning, match="advantage_estimator=rloo"):
+        validate_async_off_policy_correction(run_cfg(None, estimator="rloo"))
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 bitwise save/load round trips, sharded folders, and the error messages."""
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -11,10 +11,14 @@ from minippo.models import (
     Transformer,
     ValueModel,
     from_pretrained,
+    hf_config_from_model_args,
     hf_name,
     init_weights,
+    llama3_2_1b,
     model_args_from_hf_config,
     native_name,
+    qwen2_5_0_5b,
+    qwen3_0_6b,
     qwen3_tiny,
     save_pretrained,
     save_pretrained_state_dict,
@@ -216,3 +220,90 @@ def test_clear_errors(tmp_path):
 
     with pytest.raises(TypeError, match="ValueModel"):
         save_pretrained(ValueModel(qwen3_tiny()), tmp_path / "critic")
+
+
+QWEN3_0_6B_CONFIG = {  # config.json of Qwen/Qwen3-0.6B (transformers 4.x layout)
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+QWEN2_5_0_5B_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "model_type": "qwen2",
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+LLAMA3_2_1B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 128256,
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "builder"),
+    [
+        (QWEN3_0_6B_CONFIG, qwen3_0_6b),
+        (QWEN2_5_0_5B_CONFIG, qwen2_5_0_5b),
+        (LLAMA3_2_1B_CONFIG, llama3_2_1b),
+    ],
+)
+def test_builders_match_published_configs(config, builder):
+    got = asdict(model_args_from_hf_config(config))
+    want = asdict(builder())
+    got.pop("extra_hf_config"), want.pop("extra_hf_config")
+    assert got == want
+    # and the written config reads back to the same args
+    again = asdict(model_args_from_hf_config(hf_config_from_model_args(builder())))
+    again.pop("extra_hf_config")
+    assert again == want

@@ -1,0 +1,202 @@
+"""Peak memory of per-token logprobs with backward: naive full logits vs chunked token_logprobs.
+
+naive:    logits = model(tokens) [B, S, V] fp32 -> log_softmax(logits / T) -> gather -> backward
+chunked:  minippo.models.token_logprobs (lm_head chunk by chunk, each chunk checkpointed)
+
+Each variant runs in a fresh subprocess on CPU; reported per variant:
+  peak tensor memory  the most bytes held at once, during forward + backward, by tensors created
+                      in that step (activations, logits, gradients; the model and batch exist
+                      before), tracked op by op with a TorchDispatchMode over tensor storages
+  saved for backward  bytes of activations autograd keeps between forward and backward
+                      (torch.autograd.graph.saved_tensors_hooks, each storage counted once,
+                      parameters excluded)
+  peak RSS growth     ru_maxrss at the end minus RSS before the step (allocator noise included)
+  time                forward + backward seconds (the tracker slows both variants alike)
+and the max |diff| between the two variants' logprobs and gradients.
+
+    python benchmarks/logprob_memory.py            # B=2, S=1024, V=151936 (Qwen3 vocabulary)
+    python benchmarks/logprob_memory.py --quick    # B=2, S=256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class PeakTensorMemory(TorchDispatchMode):
+    """Peak bytes of live tensor storages created under this mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                if st.data_ptr() not in self.live or self.live[st.data_ptr()][0].expired():
+                    self.live[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _build(args):
+    from minippo.models import ModelArgs, Transformer, init_weights
+
+    margs = ModelArgs(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=args.dim // 4,
+        intermediate_size=2 * args.dim,
+        tie_word_embeddings=True,
+    )
+    model = init_weights(Transformer(margs), seed=0)
+    tokens = torch.randint(
+        0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)
+    )
+    return model, tokens
+
+
+def _naive(model, tokens, T, start):
+    logits = model(tokens).float()
+    lp = torch.log_softmax(logits[:, start - 1 : -1] / T, dim=-1)
+    return lp.gather(-1, tokens[:, start:, None]).squeeze(-1)
+
+
+def _chunked(model, tokens, T, start, chunk_size):
+    from minippo.models import token_logprobs
+
+    return token_logprobs(model, tokens, temperature=T, start=start, chunk_size=chunk_size)
+
+
+def run_variant(args) -> dict:
+    torch.manual_seed(0)
+    model, tokens = _build(args)
+
+    def step():
+        if args.variant == "naive":
+            return _naive(model, tokens, 0.7, 1)
+        return _chunked(model, tokens, 0.7, 1, args.chunk_size)
+
+    # warm-up on a short batch so that one-off allocations are not counted
+    step_tokens = tokens
+    tokens = tokens[:, :8]
+    step().sum().backward()
+    tokens = step_tokens
+    model.zero_grad(set_to_none=False)
+
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_ptrs:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    base = _rss_mib()
+    tracker = PeakTensorMemory()
+    t0 = time.perf_counter()
+    with tracker:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp = step()
+        lp.sum().backward()
+    elapsed = time.perf_counter() - t0
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+    return {
+        "peak_tensor_mib": tracker.peak / 2**20,
+        "peak_rss_growth_mib": peak_rss - base,
+        "saved_mib": sum(seen.values()) / 2**20,
+        "time_s": elapsed,
+        "logprobs": lp.detach().flatten()[:4096].tolist(),
+        "grad": model.layers[0].attention.wq.weight.grad.flatten()[:4096].tolist(),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="S=256 instead of 1024")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=151_936)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--variant", choices=["naive", "chunked"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.seq is None:
+        args.seq = 256 if args.quick else 1024
+
+    if args.variant:  # child process
+        print(json.dumps(run_variant(args)))
+        return
+
+    results = {}
+    for variant in ("naive", "chunked"):
+        cmd = [
+            sys.executable,
+            __file__,
+            "--variant",
+            variant,
+            *[
+                f"--{k}={v}"
+                for k, v in [
+                    ("batch", args.batch),
+                    ("seq", args.seq),
+                    ("vocab", args.vocab),
+                    ("dim", args.dim),
+                    ("chunk-size", args.chunk_size),
+                ]
+            ],
+        ]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        results[variant] = json.loads(out.strip().splitlines()[-1])
+    n, c = results["naive"], results["chunked"]
+    lp_diff = max(abs(a - b) for a, b in zip(n["logprobs"], c["logprobs"]))
+    g_diff = max(abs(a - b) for a, b in zip(n["grad"], c["grad"]))
+    logits_mib = args.batch * args.seq * args.vocab * 4 / 2**20
+    print(
+        f"B={args.batch} S={args.seq} V={args.vocab} D={args.dim} chunk_size={args.chunk_size}  "
+        f"(one fp32 [B,S,V] logits tensor = {logits_mib:.0f} MiB)"
+    )
+    print(
+        "| variant | peak tensor memory (MiB) | saved for backward (MiB) "
+        "| peak RSS growth (MiB) | fwd+bwd (s) |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['peak_tensor_mib']:.0f} | {r['saved_mib']:.0f} "
+            f"| {r['peak_rss_growth_mib']:.0f} | {r['time_s']:.2f} |"
+        )
+    print(
+        f"peak tensor memory saved: {n['peak_tensor_mib'] - c['peak_tensor_mib']:.0f} MiB "
+        f"({n['peak_tensor_mib'] / max(c['peak_tensor_mib'], 1e-9):.1f}x less); "
+        f"max |diff| logprobs {lp_diff:.1e}, grads {g_diff:.1e}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -418,16 +418,37 @@ def test_ewma_matches_float64_reference():
     # anchors come from θ̄ and the actor is restored
     current = weights_of(model)
     batch = make_batch([[0, 1, 1, 1]])
-    out = corr.prepare(batch, model, step=1)
     expected = score(model_with([t.clone() for t in corr.theta_bar]), batch)
-    if out.metrics["correction/ewma_reset_this_step"] == 0:
-        assert torch.equal(out.anchor_logprobs, expected)
+    batch.rollout_logprobs = expected - 0.1  # ρ = e^0.1 everywhere: all kept, no reset
+    out = corr.prepare(batch, model, step=1)
+    assert out.metrics["correction/ewma_resets"] == 0
+    assert torch.equal(out.anchor_logprobs, expected)
+    torch.testing.assert_close(out.weights, torch.full_like(expected, math.exp(0.1)))
     for p, w in zip(model.parameters(), current):
         assert torch.equal(p, w)
     dist_ref = math.sqrt(
         sum(float((t.double() - w.double()).pow(2).sum()) for t, w in zip(corr.theta_bar, current))
     )
     assert out.metrics["correction/ewma_distance"] == pytest.approx(dist_ref, rel=1e-5)
+
+
+def test_ewma_bf16_parameters_keep_an_fp32_average():
+    layer = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    corr = EWMA(beta=0.5)
+    corr.on_weights_published(0, layer)
+    ref = [p.detach().double() for p in layer.parameters()]
+    n = 1.0
+    for k in range(4):
+        perturb(layer, seed=k)
+        corr.after_optimizer_step(layer)
+        n_prev, n = n, 0.5 * n + 1
+        ref = [
+            r * (0.5 * n_prev / n) + p.detach().double() / n
+            for r, p in zip(ref, layer.parameters())
+        ]
+    for tb, r in zip(corr.theta_bar, ref):
+        assert tb.dtype == torch.float32
+        torch.testing.assert_close(tb.double(), r, rtol=0, atol=1e-6)
 
 
 def test_ewma_synchronous_beta_zero_tracks_current_weights():

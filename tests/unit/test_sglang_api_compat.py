@@ -439,3 +439,12 @@ def test_server_args_and_sampling_keys_come_from_the_table():
     ):
         seen |= set(backend.sglang_sampling_params(p))
     assert seen == set(names)
+
+
+@pytest.mark.network
+def test_smoke_check_extra_server_args_exist(wheel):
+    """The GPU smoke check passes extra ServerArgs through unchecked: check their names here."""
+    from tests.gpu.sglang_smoke import SMOKE_EXTRA_SERVER_ARGS
+
+    missing = set(SMOKE_EXTRA_SERVER_ARGS) - wheel.server_args_fields()
+    assert not missing, f"ServerArgs has no field(s) {sorted(missing)}"

@@ -1,0 +1,73 @@
+"""Prompt examples, seeded streams and the built-in toy tasks."""
+
+import itertools
+
+import pytest
+
+from minippo.data import PerPositionMatch, PromptDataset, PromptExample, PromptStream
+from minippo.data.rewards import ExactMatch
+from minippo.data.tasks import arithmetic_task, digit_task
+from minippo.models import TinyTokenizer
+
+
+def test_arithmetic_task_is_seeded_and_correct():
+    tok = TinyTokenizer()
+    a = arithmetic_task(tok, num_prompts=50, max_operand=12, ops="+-*", seed=3)
+    b = arithmetic_task(tok, num_prompts=50, max_operand=12, ops="+-*", seed=3)
+    c = arithmetic_task(tok, num_prompts=50, max_operand=12, ops="+-*", seed=4)
+    assert [e.prompt for e in a] == [e.prompt for e in b] != [e.prompt for e in c]
+    for ex in a:
+        assert eval(ex.prompt[:-1]) == int(ex.answer)  # "12-7=" -> "5"
+        assert ex.prompt_ids == (tok.bos_id, *tok.encode(ex.prompt))
+    assert [e.index for e in a] == list(range(50))
+    with pytest.raises(ValueError, match="ops must be"):
+        arithmetic_task(tok, ops="/")
+
+
+def test_digit_task_ops_and_alphabet():
+    tok = TinyTokenizer()
+    for op, fn in (("copy", lambda s: s), ("reverse", lambda s: s[::-1]), ("sort", sorted)):
+        ds = digit_task(tok, op=op, length=4, alphabet="0123", num_prompts=20, seed=0)
+        for ex in ds:
+            s = ex.prompt[:-1]
+            assert len(s) == 4 and set(s) <= set("0123") and ex.prompt.endswith("=")
+            assert ex.answer == "".join(fn(s))
+    ds = digit_task(tok, length=2, num_prompts=3, add_bos=False)
+    assert ds[0].prompt_ids == tuple(tok.encode(ds[0].prompt))
+    with pytest.raises(ValueError, match="op must be one of"):
+        digit_task(tok, op="rotate")
+    with pytest.raises(ValueError, match="alphabet"):
+        digit_task(tok, alphabet="00")
+
+
+def test_toy_rewards():
+    ex = PromptExample(0, (1,), "12=", "123")
+    r = PerPositionMatch()
+    assert r(ex, "123") == 1.0
+    assert r(ex, "120") == pytest.approx(2 / 3)
+    assert r(ex, "1234") == pytest.approx(3 / 4)  # an extra character costs a position
+    assert r(ex, "1") == pytest.approx(1 / 3)
+    assert r(ex, "") == 0.0
+    assert ExactMatch()(ex, " 123 ") == 1.0 and ExactMatch()(ex, "12") == 0.0
+
+
+def test_prompt_stream_is_seeded_reiterable_and_covers_epochs():
+    ds = digit_task(TinyTokenizer(), num_prompts=10, seed=0)
+    stream = PromptStream(ds, seed=7)
+    first = [e.index for e in itertools.islice(stream, 25)]
+    again = [e.index for e in itertools.islice(stream, 25)]
+    assert first == again
+    assert sorted(first[:10]) == list(range(10)) and sorted(first[10:20]) == list(range(10))
+    assert first[:10] != first[10:20]  # a new order each epoch
+    assert [e.index for e in PromptStream(ds, shuffle=False, max_epochs=1)] == list(range(10))
+    other = [e.index for e in itertools.islice(PromptStream(ds, seed=8), 10)]
+    assert other != first[:10]
+
+
+def test_prompt_dataset_validation():
+    with pytest.raises(ValueError, match="is empty"):
+        PromptDataset([])
+    with pytest.raises(ValueError, match="index 3"):
+        PromptDataset([PromptExample(3, (1,), "a", "b")])
+    with pytest.raises(ValueError, match="empty prompt"):
+        PromptDataset([PromptExample(0, (), "", "b")])

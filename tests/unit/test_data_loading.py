@@ -1,0 +1,141 @@
+"""Prompt loading with `datasets` from local files, chat templates, length filtering."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from minippo.data import SAMPLES_DIR, MathAnswerMatch, format_prompt, load_prompt_dataset
+from minippo.models import TinyTokenizer, load_tokenizer
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>\n{% endif %}"
+    "{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory):
+    """A word-level tokenizer folder with a Qwen-style chat template (no download)."""
+    folder = tmp_path_factory.mktemp("tok")
+    words = ["<|im_start|>", "<|im_end|>", "<unk>", "user", "assistant", "system", "<think>"]
+    words += ["</think>", "\n"]
+    words += [
+        w
+        for line in (SAMPLES_DIR / "math_qa.jsonl").read_text().splitlines()
+        for w in json.loads(line)["question"].split()
+    ]
+    words += ["Be", "brief.", "Show", "work."]
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE})
+    )
+    return load_tokenizer(folder)
+
+
+def test_format_prompt_chat_plain_and_format_string(hf_tokenizer):
+    text = format_prompt(hf_tokenizer, "Be brief.", system_prompt="Show work.")
+    assert text == (
+        "<|im_start|>system\nShow work.<|im_end|>\n<|im_start|>user\nBe brief.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    no_think = format_prompt(hf_tokenizer, "x", chat_template_kwargs={"enable_thinking": False})
+    assert no_think.endswith("<|im_start|>assistant\n<think></think>\n")
+    tiny = TinyTokenizer()
+    assert format_prompt(tiny, "1+1=", template="plain") == "1+1="
+    assert (
+        format_prompt(tiny, "2+2", template="q: {prompt}\na:", prompt_suffix="?") == "q: 2+2?\na:"
+    )
+    msgs = [{"role": "user", "content": "hi"}]
+    assert format_prompt(tiny, msgs, template="plain", prompt_suffix=" there") == "hi there"
+    with pytest.raises(ValueError, match="format string containing"):
+        format_prompt(tiny, "x", template="nope")
+    with pytest.raises(ValueError, match="'role' and 'content'"):
+        format_prompt(tiny, [{"text": "x"}], template="plain")
+
+
+def test_load_jsonl_with_chat_template_and_math_reward(hf_tokenizer):
+    ds = load_prompt_dataset(
+        hf_tokenizer, source="json", data_files=str(SAMPLES_DIR / "math_qa.jsonl")
+    )
+    assert len(ds) == 6
+    ex = ds[0]
+    assert ex.prompt.startswith("<|im_start|>user\nA baker")
+    assert list(ex.prompt_ids) == hf_tokenizer.encode(ex.prompt)
+    assert ex.answer.endswith("#### 25")
+    reward = MathAnswerMatch()
+    assert reward(ex, r"7*12-59 = \boxed{25}") == 1.0
+    assert reward(ds[4], "each gets 5/3, so the answer is 5/3") == 1.0  # "#### 5/3"
+    assert reward(ds[3], "#### -7") == 1.0 and reward(ds[3], "#### 7") == 0.0
+
+
+def test_load_message_prompts_nested_answer_and_parquet(tmp_path):
+    import datasets
+
+    tiny_rows = [
+        {"prompt": [{"role": "user", "content": f"{i}+{i}="}], "meta": {"gt": str(2 * i)}}
+        for i in range(5)
+    ]
+    path = tmp_path / "rows.parquet"
+    datasets.Dataset.from_list(tiny_rows).to_parquet(str(path))
+    ds = load_prompt_dataset(
+        TinyTokenizer(),
+        source="parquet",
+        data_files=[str(path)],
+        prompt_key="prompt",
+        answer_key="meta.gt",
+        template="plain",
+        num_examples=3,
+    )
+    assert [e.prompt for e in ds] == ["0+0=", "1+1=", "2+2="]
+    assert [e.answer for e in ds] == ["0", "2", "4"]
+
+
+def test_sample_with_messages_loads():
+    tiny_chat = TinyTokenizer()
+    rows = [json.loads(x) for x in (SAMPLES_DIR / "math_messages.jsonl").read_text().splitlines()]
+    assert rows[1]["reward_model"]["ground_truth"] == r"\frac{3}{4}"
+    with pytest.raises(ValueError, match="cannot encode"):  # '^' is not in the tiny vocab
+        load_prompt_dataset(
+            tiny_chat,
+            source="jsonl",
+            data_files=str(SAMPLES_DIR / "math_messages.jsonl"),
+            prompt_key="prompt",
+            answer_key="reward_model.ground_truth",
+        )
+
+
+def test_length_filter_and_errors(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"q": "1" * n, "a": "1"}) for n in (2, 8, 3)) + "\n")
+    tok = TinyTokenizer()
+    ds = load_prompt_dataset(
+        tok,
+        source="json",
+        data_files=str(path),
+        prompt_key="q",
+        answer_key="a",
+        template="plain",
+        max_prompt_tokens=4,
+    )
+    assert [e.prompt for e in ds] == ["11", "111"] and [e.index for e in ds] == [0, 1]
+    with pytest.raises(ValueError, match="raise it"):
+        load_prompt_dataset(
+            tok,
+            source="json",
+            data_files=str(path),
+            prompt_key="q",
+            answer_key="a",
+            template="plain",
+            max_prompt_tokens=1,
+        )
+    with pytest.raises(KeyError, match="prompt_key='question': no field 'question'"):
+        load_prompt_dataset(tok, source="json", data_files=str(path), template="plain")
+    with pytest.raises(ValueError, match="set data_files"):
+        load_prompt_dataset(tok, source="parquet")

@@ -229,9 +229,18 @@ def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[set[str], bool]
     return names, a.kwarg is not None
 
 
+_SKIP_REASON: list[str] = []  # one download attempt per session, even when it fails
+
+
 @cache
 def _wheel() -> WheelSource:
-    return WheelSource(_download_wheel())
+    if _SKIP_REASON:
+        pytest.skip(_SKIP_REASON[0])
+    try:
+        return WheelSource(_download_wheel())
+    except pytest.skip.Exception as e:
+        _SKIP_REASON.append(str(e))
+        raise
 
 
 @pytest.fixture(scope="module")

@@ -264,11 +264,18 @@ class Attention(nn.Module):
             k, v = kv_cache.update(layer, k, v, start)
         gqa = self.n_heads != self.n_kv_heads
         if mask is None:
-            # only reached without padding; with a cache only when all keys are visible (S == 1)
+            # no padding: plain causal attention (flash kernels handle GQA natively); with a cache
+            # only reached for a first chunk (keys == queries) or one new token (sees all keys)
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=kv_cache is None or S > 1, enable_gqa=gqa
             )
         else:
+            if gqa and S > 1:
+                # the masked fused kernels do not take GQA; repeating k/v (H/H_kv copies of
+                # [B, H_kv, S_kv, hd]) is far cheaper than the [B, H, S, S_kv] math fallback
+                rep = self.n_heads // self.n_kv_heads
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+                gqa = False
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 

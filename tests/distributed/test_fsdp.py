@@ -3,6 +3,7 @@ token_logprobs) equal to the unsharded model, gathering, buckets, a train step, 
 
 from dataclasses import replace
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -199,3 +200,24 @@ def test_init_distributed_single_process(monkeypatch):
     assert all(len(b) == 1 for b in buckets)
     names = [b[0][0] for b in buckets]
     assert names[0] == "model.embed_tokens.weight" and "lm_head.weight" not in names
+
+
+def test_load_full_state_dict_plain_module_and_errors(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    src = init_weights(Transformer(qwen3_tiny()), seed=3)
+    sd = {k: v for k, v in src.state_dict().items() if k != "output.weight"}  # tied head optional
+    with torch.device("meta"):
+        model = Transformer(qwen3_tiny())
+    load_full_state_dict(model, sd, device="cpu")
+    assert model.output.weight is model.tok_embeddings.weight
+    tokens = torch.randint(0, 64, (2, 5))
+    assert torch.equal(model(tokens), src(tokens))
+    with torch.device("meta"):
+        model = Transformer(qwen3_tiny())
+    bad = dict(sd)
+    bad.pop("norm.weight")
+    bad["layers.9.ffn_norm.weight"] = torch.ones(64)
+    with pytest.raises(ValueError, match=r"missing \['norm.weight'\].*layers\.9\.ffn_norm"):
+        load_full_state_dict(model, bad, device="cpu")
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        shard_model(Transformer(qwen3_tiny()))

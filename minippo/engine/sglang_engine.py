@@ -828,9 +828,10 @@ class SGLangEngine:
 
     def _check_can_generate(self) -> None:
         if self._memory != "awake":
+            state = "asleep" if self._memory == "asleep" else "woken but without KV cache"
             raise RuntimeError(
-                f"generate() while the engine is {self._memory.replace('_', ' ')}: in sleep mode "
-                "call wake() and then publish_weights(...) before generating"
+                f"generate() while the engine is {state}: in sleep mode call wake() and then "
+                "publish_weights(...) before generating"
             )
         if not self._has_weights:
             raise RuntimeError(

@@ -8,7 +8,8 @@ Public names:
     load_full_state_dict(model, state_dict, *, device, broadcast_from_rank0=False) -> model
     assert_not_meta(model)
     full_tensor_buckets(model, *, bucket_bytes, dtype=None) -> Iterator[list[(hf_name, Tensor)]]
-    gather_full_state_dict(model, *, dtype=None, device="cpu") -> {native_name: Tensor}
+    gather_full_state_dict(model, *, dtype=None, device="cpu", rank0_only=False)
+        -> {native_name: Tensor}
 """
 
 from minippo.parallel.distributed import DistInfo, destroy_distributed, init_distributed

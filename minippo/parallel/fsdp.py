@@ -121,9 +121,12 @@ def _reshard_all(model: nn.Module) -> None:
             m.reshard()
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a (possibly sharded) parameter; a collective for DTensors."""
+def _full(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full tensor of a (possibly sharded) parameter, cast to ``dtype`` first (so a bf16
+    gather moves half the bytes of an fp32 one); a collective for DTensors."""
     t = t.detach()
+    if dtype is not None:
+        t = t.to(dtype)
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -143,9 +146,7 @@ def full_tensor_buckets(
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, p in model.named_parameters():  # a tied lm_head is the same Parameter: listed once
-        t = _full(p)
-        if dtype is not None:
-            t = t.to(dtype)
+        t = _full(p, dtype)
         nbytes = t.numel() * t.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
@@ -157,16 +158,24 @@ def full_tensor_buckets(
 
 
 def gather_full_state_dict(
-    model: nn.Module, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    model: nn.Module,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    rank0_only: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """``{native_name: full tensor}`` of a sharded (or plain) model on every rank, on ``device``.
+    """``{native_name: full tensor}`` of a sharded (or plain) model, on ``device``.
 
-    A collective: every rank must call it. The tied ``output.weight`` is not included (pass the
-    result to :func:`~minippo.models.save_pretrained_state_dict` for an HF export).
+    A collective: every rank must call it. With ``rank0_only`` the other ranks take part in the
+    gathers but keep nothing and get ``{}`` (host memory for one copy, not one per rank). The tied
+    ``output.weight`` is not included (pass the result to
+    :func:`~minippo.models.save_pretrained_state_dict` for an HF export).
     """
     _reshard_all(model)
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out = {}
     for name, p in model.named_parameters():
-        t = _full(p)
-        out[name] = t.to(device=device, dtype=dtype or t.dtype)
+        t = _full(p, dtype)
+        if keep:
+            out[name] = t.to(device)
     return out

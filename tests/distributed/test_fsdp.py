@@ -115,8 +115,10 @@ def _check_tied(rank, world, tie, tmpdir):
 
     # export from the gathered tensors, reload, same logits as the sharded model
     out = f"{tmpdir}/export_tie{int(tie)}"
+    only0 = gather_full_state_dict(model, rank0_only=True)
+    assert (only0 == {}) == (rank != 0)
     if rank == 0:
-        save_pretrained_state_dict(gathered, args, out)
+        save_pretrained_state_dict(only0, args, out)
     dist.barrier()
     reloaded = from_pretrained(out)
     with torch.no_grad():

@@ -10,6 +10,7 @@ from minippo.engine.protocol import (
     WeightBucket,
     validate_requests,
 )
+from minippo.engine.torch_engine import TorchEngine
 
 __all__ = [
     "FINISH_REASONS",
@@ -18,6 +19,7 @@ __all__ = [
     "GenerateRequest",
     "RolloutEngine",
     "SamplingParams",
+    "TorchEngine",
     "WeightBucket",
     "validate_requests",
 ]

@@ -1,0 +1,734 @@
+"""TorchEngine: the embedded rollout engine, pure PyTorch, in its own process.
+
+How it generates (one "wave" at a time):
+    1. take up to ``max_batch_size`` waiting requests; left-pad their prompts to P tokens;
+    2. prefill: one forward over ``[k, P]`` fills a KVCache, the last position's logits give the
+       first token of every row;
+    3. decode: one forward over ``[k, 1]`` per step; rows that sampled a stop id or reached their
+       ``max_new_tokens`` leave the batch (``KVCache.keep``: finished rows stop costing compute);
+    4. between two steps the engine reads its control messages: pause / resume / publish / abort.
+
+All active rows of a wave have generated the same number of tokens, so after a weight publish the
+engine re-prefills the active rows (prompt + tokens so far) with the new weights: every token
+sampled after a publish is computed entirely by the new weights (no stale keys/values), which is
+exactly what "this token was sampled by version v" means to the corrections.
+
+Sampling (per row; each request owns a ``torch.Generator`` seeded by its ``seed``):
+    z = logits / T  (T = 1 for greedy),   logprob(token) = log_softmax(z)[token] over the full vocab
+    top-k / top-p remove tokens from z (never renormalising the reported logprob);
+    token = argmax(z_kept - log E),  E ~ Exp(1)  (the exponential race: a draw from softmax(z_kept))
+    greedy (T == 0): token = argmax(logits).
+Each row's random draws depend only on its own generator, so a seeded request gives the same tokens
+whatever else is in the batch (up to floating-point differences of batched matmuls).
+
+Process model: ``TorchEngine(model)`` sends ``(ModelArgs, state dict)`` to a spawned child process
+that builds its own copy of the model and serves requests from a message queue, so generation
+really overlaps training in the parent. ``in_process=True`` runs the same serving loop in a thread of
+the calling process on a private copy of the model (for tests and debugging). The parent-side API
+is thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import os
+import queue as queue_lib
+import random
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from minippo.engine.protocol import Completion, GenerateRequest, WeightBucket, validate_requests
+
+
+def default_num_threads() -> int:
+    """Torch threads of the engine process: half the cores (1 on a 2-core machine)."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling (pure functions)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generators: Sequence[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return ``(tokens Long[k], logprobs Float32[k])``.
+
+    logits Float[k, V]; temperature Float[k] (0 = greedy); top_k Long[k] (0 = off);
+    top_p Float[k] (1 = off); generators: one per row.
+
+    logprob = log_softmax(logits / T)[token] over the full vocabulary (T = 1 for greedy rows).
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits / t[:, None], dim=-1)  # [k, V]
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = (~greedy).nonzero().flatten().tolist()
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        z = logp[rows]  # log-probs differ from z = logits / T by a per-row constant
+        k_rows, p_rows = top_k[rows], top_p[rows]
+        if bool((k_rows > 0).any()) or bool((p_rows < 1).any()):
+            z = _filter_top_k_top_p(z, k_rows, p_rows)
+        # exponential race: argmax(z - log E), E ~ Exp(1), draws from softmax(z)
+        e = torch.empty_like(z)
+        for i, row in enumerate(sampled_rows):
+            e[i].exponential_(generator=generators[row])
+        tokens[rows] = (z - e.log()).argmax(dim=-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _filter_top_k_top_p(
+    logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf the tokens outside each row's top-k and top-p nucleus. logp Float[k, V].
+
+    top-k keeps ranks < k (k = 0: all); top-p keeps a token when the probability mass of the
+    tokens ranked before it is < p (so the most likely token is always kept).
+    """
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    rank = torch.arange(logp.shape[-1], device=logp.device)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    probs = sorted_logp.exp()
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep &= mass_before < top_p[:, None]
+    keep_unsorted = torch.zeros_like(keep).scatter(-1, order, keep)
+    return logp.masked_fill(~keep_unsorted, float("-inf"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The serving loop (runs in the child process, or in a thread with in_process=True)
+
+
+@dataclass
+class _Row:
+    """One request being generated."""
+
+    request: GenerateRequest
+    call_id: int
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def completion(self) -> Completion:
+        return Completion(
+            request_id=self.request.request_id,
+            prompt_ids=list(self.request.prompt_ids),
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            finish_reason=self.finish_reason or "abort",  # type: ignore[arg-type]
+        )
+
+
+def _native_name(hf_name: str) -> str:
+    """HF checkpoint name -> native parameter name, through the models' name map."""
+    try:
+        from minippo.models import native_name
+    except ImportError as e:
+        raise ImportError(
+            f"publish_weights got the HF name {hf_name!r}, but minippo.models has no native_name "
+            "map; send native parameter names instead"
+        ) from e
+    return native_name(hf_name)
+
+
+class _Abort(Exception):
+    """Raised inside a wave when abort() arrives."""
+
+
+class _Server:
+    """Owns the model copy; serves messages ``(kind, call_id, payload)`` from ``inbox``.
+
+    Replies ``("ok", call_id, result)`` or ``("error", call_id, message)`` go to ``outbox``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        version: int,
+        seed: int,
+        max_batch_size: int,
+        compact: bool,
+        inbox: Any,
+        outbox: Any,
+    ) -> None:
+        self.model = model.eval()
+        self.version = version
+        self.max_batch_size = max_batch_size
+        self.compact = compact
+        self.inbox, self.outbox = inbox, outbox
+        self.seed_rng = random.Random(seed)
+        self.params = dict(model.named_parameters())
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.waiting: list[_Row] = []
+        self.active: list[_Row] = []  # rows of the running wave
+        self.calls: dict[int, list[_Row]] = {}  # generate call -> its rows in request order
+        self.paused = False
+        self.stale_cache = False
+        self.running = True
+        self.stats = {"waves": 0, "decode_steps": 0, "row_steps": 0, "reprefills": 0}
+
+    # -- message loop ------------------------------------------------------------------------
+    def serve(self) -> None:
+        while self.running:
+            if self.waiting and not self.paused:
+                self._run_wave()
+            else:
+                self._handle(self.inbox.get())
+
+    def _poll(self) -> None:
+        """Handle every queued message; while paused, block until resumed. Between two steps."""
+        while True:
+            try:
+                msg = self.inbox.get(block=self.paused)
+            except queue_lib.Empty:
+                return
+            self._handle(msg)
+            if not self.running:
+                raise _Abort
+            if not self.paused and self.inbox.empty():
+                return
+
+    def _reply(self, call_id: int, result: Any) -> None:
+        self.outbox.put(("ok", call_id, result))
+
+    def _handle(self, msg: tuple) -> None:
+        kind, call_id, payload = msg
+        try:
+            if kind == "generate":
+                rows = []
+                for req in payload:
+                    seed = req.params.seed
+                    if seed is None:
+                        seed = self.seed_rng.randrange(1 << 62)
+                    gen = torch.Generator(device=self.device).manual_seed(seed)
+                    rows.append(_Row(req, call_id, gen))
+                self.calls[call_id] = rows
+                self.waiting.extend(rows)
+                return  # replied when all rows finish
+            if kind == "pause":
+                self.paused = True
+            elif kind == "resume":
+                self.paused = False
+            elif kind == "publish_begin":
+                self._publish(call_id, payload)
+            elif kind == "abort":
+                self._reply(call_id, self._abort_all())
+                return
+            elif kind == "progress":
+                result = {r.request.request_id: len(r.token_ids) for r in self.active}
+                result.update({r.request.request_id: 0 for r in self.waiting})
+                self._reply(call_id, result)
+                return
+            elif kind == "stats":
+                self._reply(call_id, dict(self.stats))
+                return
+            elif kind in ("sleep", "wake"):
+                self._sleep_wake(kind)
+            elif kind == "shutdown":
+                self._abort_all()
+                self.running = False
+            else:
+                raise ValueError(f"unknown engine message {kind!r}")
+            self._reply(call_id, None)
+        except Exception:
+            self.outbox.put(("error", call_id, traceback.format_exc()))
+
+    def _publish(self, call_id: int, version: int) -> None:
+        """Apply buckets until ``publish_end``; other messages meanwhile are handled normally."""
+        n = 0
+        while True:
+            kind, cid, payload = self.inbox.get()
+            if kind == "publish_end" and cid == call_id:
+                break
+            if kind != "publish_bucket" or cid != call_id:
+                self._handle((kind, cid, payload))
+                continue
+            with torch.no_grad():
+                for name, tensor in payload:
+                    native = name if name in self.params else _native_name(name)
+                    if native not in self.params:
+                        raise KeyError(f"publish_weights: unknown parameter {name!r}")
+                    p = self.params[native]
+                    if tuple(p.shape) != tuple(tensor.shape):
+                        raise ValueError(
+                            f"publish_weights: {name!r} has shape {tuple(tensor.shape)}, the "
+                            f"engine's parameter has {tuple(p.shape)}"
+                        )
+                    p.copy_(tensor)
+                    n += 1
+        self.version = version
+        self.stale_cache = True  # in-flight rows re-prefill under the new weights
+
+    def _sleep_wake(self, kind: str) -> None:
+        if self.active or self.waiting:
+            raise RuntimeError(f"{kind}() needs an idle engine; abort or wait for requests first")
+        if self.device.type == "cuda":
+            if kind == "sleep":
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+            else:
+                self.model.to(self.device)
+            self.params = dict(self.model.named_parameters())
+
+    def _finish_calls(self) -> None:
+        for call_id in [c for c, rows in self.calls.items() if all(r.finish_reason for r in rows)]:
+            self._reply(call_id, [r.completion() for r in self.calls.pop(call_id)])
+
+    def _abort_all(self) -> list[Completion]:
+        rows = [r for r in self.active + self.waiting if r.finish_reason is None]
+        for r in rows:
+            r.finish_reason = "abort"
+        self.waiting = []
+        self._finish_calls()
+        return [r.completion() for r in rows]
+
+    # -- generation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _run_wave(self) -> None:
+        rows, self.waiting = (
+            self.waiting[: self.max_batch_size],
+            self.waiting[self.max_batch_size :],
+        )
+        self.active = rows
+        self.stats["waves"] += 1
+        try:
+            self._generate(rows)
+        except _Abort:
+            pass
+        except Exception:
+            msg = traceback.format_exc()
+            for call_id in {r.call_id for r in rows}:
+                self.calls.pop(call_id, None)
+                self.outbox.put(("error", call_id, msg))
+            for r in rows:
+                r.finish_reason = r.finish_reason or "abort"
+        finally:
+            self.active = []
+        self._finish_calls()
+
+    def _prefill(
+        self, seq: torch.Tensor, mask: torch.Tensor, max_len: int
+    ) -> tuple[torch.Tensor, Any]:
+        """Forward ``seq [k, L]`` (left-padded, ``mask`` Bool[k, L]) into a fresh KVCache of
+        ``max_len`` positions; return the last position's logits ``[k, V]`` and the cache."""
+        from minippo.models import KVCache
+
+        cache = KVCache(
+            self.model.args, seq.shape[0], max_len, dtype=self.dtype, device=self.device
+        )
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        h = self.model(
+            seq,
+            position_ids=pos,
+            attention_mask=None if bool(mask.all()) else mask,
+            kv_cache=cache,
+            return_hidden=True,
+        )
+        return self.model.output(h[:, -1]), cache
+
+    def _generate(self, rows: list[_Row]) -> None:
+        dev = self.device
+        k = len(rows)
+        p_len = max(len(r.request.prompt_ids) for r in rows)
+        max_new = max(r.request.params.max_new_tokens for r in rows)
+        seq = torch.zeros(k, p_len, dtype=torch.long, device=dev)
+        mask = torch.zeros(k, p_len, dtype=torch.bool, device=dev)
+        for i, r in enumerate(rows):
+            ids = r.request.prompt_ids
+            seq[i, p_len - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            mask[i, p_len - len(ids) :] = True
+        params = [r.request.params for r in rows]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        stops = [set(p.stop_token_ids) for p in params]
+        no_padding = bool(mask.all())
+
+        logits, cache = self._prefill(seq, mask, p_len + max_new)
+        self.stale_cache = False
+        while True:
+            tokens, logprobs = sample_next(
+                logits, temperature, top_k, top_p, [r.generator for r in rows]
+            )
+            version = self.version
+            finished_now = False
+            for i, (r, tok, lp) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist())):
+                if r.finish_reason is not None:  # only without compaction: a finished row
+                    continue
+                r.token_ids.append(tok)
+                r.logprobs.append(lp)
+                r.versions.append(version)
+                if tok in stops[i]:
+                    r.finish_reason = "stop"
+                elif len(r.token_ids) >= r.request.params.max_new_tokens:
+                    r.finish_reason = "length"
+                finished_now |= r.finish_reason is not None
+            self.stats["decode_steps"] += 1
+            self.stats["row_steps"] += len(rows)
+            seq = torch.cat([seq, tokens[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.bool, device=dev)], 1)
+            if finished_now:
+                self._finish_calls()
+                alive = [i for i, r in enumerate(rows) if r.finish_reason is None]
+                if not alive:
+                    return
+                if self.compact:  # finished rows leave the batch: they stop costing compute
+                    idx = torch.tensor(alive, device=dev)
+                    rows = [rows[i] for i in alive]
+                    stops = [stops[i] for i in alive]
+                    seq, mask, tokens = seq[idx], mask[idx], tokens[idx]
+                    temperature, top_k, top_p = temperature[idx], top_k[idx], top_p[idx]
+                    cache.keep(idx)
+                    self.active = rows
+            self._poll()
+            if all(r.finish_reason is not None for r in rows):  # aborted
+                return
+            if self.stale_cache:  # new weights: recompute the keys/values of every prefix
+                self.stats["reprefills"] += 1
+                remaining = max(
+                    r.request.params.max_new_tokens - len(r.token_ids)
+                    for r in rows
+                    if r.finish_reason is None
+                )
+                logits, cache = self._prefill(seq, mask, seq.shape[1] + remaining)
+                no_padding = bool(mask.all())
+                self.stale_cache = False
+                continue
+            pos = mask.long().sum(-1, keepdim=True) - 1  # position of the newest token
+            logits = self.model(
+                tokens[:, None],
+                position_ids=pos,
+                attention_mask=None if no_padding else mask,
+                kv_cache=cache,
+            )[:, -1]
+
+
+def _serve_in_child(spec: dict, inbox: Any, outbox: Any) -> None:
+    """Entry point of the engine process: build the model copy, then serve until shutdown."""
+    torch.set_num_threads(spec["num_threads"])
+    model = _build_model(spec)
+    outbox.put(("ok", 0, "ready"))
+    server = _Server(model, inbox=inbox, outbox=outbox, **spec["server"])
+    server.serve()
+    outbox.put(("ok", -1, "closed"))
+
+
+def _build_model(spec: dict) -> nn.Module:
+    from minippo.models import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(spec["args"])
+    model = model.to_empty(device=spec["device"])
+    missing, unexpected = model.load_state_dict(spec["state_dict"], strict=False)
+    missing = [
+        m for m in missing if not (m == "output.weight" and spec["args"].tie_word_embeddings)
+    ]
+    if missing or unexpected:
+        raise ValueError(f"engine model state dict mismatch: {missing=} {unexpected=}")
+    if spec["args"].tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.to(spec["dtype"]).eval()
+
+
+def _shared_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t`` in shared memory (sent to the engine process without another copy)."""
+    buf = torch.empty(t.shape, dtype=t.dtype).share_memory_()
+    buf.copy_(t.detach())
+    return buf
+
+
+# ----------------------------------------------------------------------------------------------
+# The parent-side API
+
+
+class TorchEngine:
+    """The embedded rollout engine (implements :class:`~minippo.engine.RolloutEngine`).
+
+    Args:
+        model:          a :class:`minippo.models.Transformer`; the engine builds its own copy from
+                        ``model.args`` and ``model.state_dict()`` (the trainer's model is untouched).
+        version:        version of these weights (0 at the start of training; the checkpoint's
+                        step when resuming).
+        in_process:     run the serving loop in a thread of this process instead of a spawned
+                        process (same code; for tests and debugging).
+        num_threads:    torch threads of the engine process (default: half the cores, 1 on a
+                        2-core machine). Ignored in-process.
+        device, dtype:  where and in which dtype the engine's copy lives (default: CPU, the
+                        model's dtype).
+        max_batch_size: most rows decoded together; more waiting requests form the next wave.
+        compact:        drop finished rows from the batch (KVCache.keep). False keeps computing
+                        them until the whole wave is done (only useful to measure the gain).
+        seed:           seeds the per-request seeds of requests without one.
+        start_timeout:  seconds to wait for the engine process to build its model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        version: int = 0,
+        in_process: bool = False,
+        num_threads: int | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        max_batch_size: int = 256,
+        compact: bool = True,
+        seed: int = 0,
+        start_timeout: float = 300.0,
+    ) -> None:
+        if not hasattr(model, "args") or not hasattr(model, "output"):
+            raise TypeError(
+                f"TorchEngine needs a minippo.models.Transformer, got {type(model).__name__}"
+            )
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.args = model.args
+        self.max_seq_len = int(model.args.max_seq_len)
+        self.in_process = in_process
+        self._version = int(version)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, list] = {}  # call id -> [Event, status, result]
+        self._lock = threading.Lock()  # guards _pending and message sends
+        self._control = threading.Lock()  # one control operation (publish/pause/...) at a time
+        self._closed = False
+        self._process = None
+        dtype = dtype or next(model.parameters()).dtype
+        server_kw = dict(
+            version=self._version, seed=seed, max_batch_size=max_batch_size, compact=compact
+        )
+        if in_process:
+            self._inbox: Any = queue_lib.Queue()
+            self._outbox: Any = queue_lib.Queue()
+            engine_model = copy.deepcopy(model).to(device=device, dtype=dtype)
+            server = _Server(engine_model, inbox=self._inbox, outbox=self._outbox, **server_kw)
+            self._server_thread = threading.Thread(
+                target=server.serve, name="torch-engine", daemon=True
+            )
+            self._server_thread.start()
+        else:
+            ctx = mp.get_context("spawn")
+            self._inbox = ctx.Queue()
+            self._outbox = ctx.Queue()
+            spec = {
+                "args": model.args,
+                "state_dict": {k: _shared_copy(v) for k, v in model.state_dict().items()},
+                "device": str(device),
+                "dtype": dtype,
+                "num_threads": num_threads or default_num_threads(),
+                "server": server_kw,
+            }
+            self._process = ctx.Process(
+                target=_serve_in_child, args=(spec, self._inbox, self._outbox), daemon=True
+            )
+            self._process.start()
+            del spec
+            status, _, result = self._read(timeout=start_timeout)
+            if status != "ok" or result != "ready":
+                self._process.kill()
+                raise RuntimeError(f"the engine process failed to start:\n{result}")
+        self._reader = threading.Thread(
+            target=self._read_replies, name="engine-replies", daemon=True
+        )
+        self._reader.start()
+        # safety net at interpreter exit or garbage collection (shutdown() is the normal path)
+        self._finalizer = weakref.finalize(self, _shutdown_quietly, self._inbox, self._process)
+
+    # -- protocol --------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """Complete ``requests`` (validated first); blocks; thread-safe."""
+        requests = list(requests)
+        validate_requests(requests, max_seq_len=self.max_seq_len)
+        for i, r in enumerate(requests):
+            bad = [t for t in r.prompt_ids if t >= self.args.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {i} ({r.request_id!r}): prompt ids {bad[:5]} are outside the "
+                    f"vocabulary (vocab_size {self.args.vocab_size})"
+                )
+        if not requests:
+            return []
+        return self._call("generate", requests)
+
+    def publish_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Copy (HF or native name, tensor) buckets into the engine's weights; stamp ``version``.
+
+        Applied between two decode steps; in-flight rows then re-prefill under the new weights.
+        """
+        version = int(version)
+        if version < self._version:
+            raise ValueError(
+                f"version must not decrease: got {version}, engine has {self._version}"
+            )
+        with self._control:
+            cid, event = self._open_call()
+            self._send("publish_begin", cid, version)
+            keep = []  # shared-memory buffers stay alive until the engine has applied them
+            try:
+                for bucket in buckets:
+                    if self.in_process:
+                        sent = [(n, t.detach()) for n, t in bucket]
+                    else:
+                        sent = [(n, _shared_copy(t)) for n, t in bucket]
+                        keep.append(sent)
+                    self._send("publish_bucket", cid, sent)
+            finally:
+                self._send("publish_end", cid, None)
+            self._wait(cid, event)
+            self._version = version
+
+    def pause(self) -> None:
+        """Returns once no forward pass runs; in-flight requests keep their state."""
+        with self._control:
+            self._call("pause", None)
+
+    def resume(self) -> None:
+        with self._control:
+            self._call("resume", None)
+
+    def abort(self) -> list[Completion]:
+        """Stop every in-flight and waiting request; return their partial completions."""
+        with self._control:
+            return self._call("abort", None)
+
+    def sleep(self) -> None:
+        """Move the weights off the accelerator (no-op on CPU); needs an idle engine."""
+        with self._control:
+            self._call("sleep", None)
+
+    def wake(self) -> None:
+        with self._control:
+            self._call("wake", None)
+
+    def inflight_tokens(self) -> dict[str, int]:
+        """request id -> tokens generated so far, for requests not yet finished."""
+        return self._call("progress", None)
+
+    def stats(self) -> dict[str, int]:
+        """Counters: waves, decode_steps, row_steps (rows summed over steps), reprefills."""
+        return self._call("stats", None)
+
+    def shutdown(self) -> None:
+        """Abort what runs, stop the serving loop and the process; idempotent."""
+        if self._closed:
+            return
+        with contextlib.suppress(Exception):  # a dead engine process cannot answer
+            self._call("shutdown", None, timeout=30)
+        self._closed = True
+        if self._process is not None:
+            self._process.join(timeout=30)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(timeout=10)
+        else:
+            self._server_thread.join(timeout=30)
+        if self.in_process:
+            self._outbox.put(("stop", 0, None))
+        self._reader.join(timeout=5)
+        self._finalizer.detach()
+        with self._lock:
+            for entry in self._pending.values():
+                entry[1:] = ["error", "the engine was shut down"]
+                entry[0].set()
+
+    def __enter__(self) -> TorchEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- messaging ---------------------------------------------------------------------------------
+    def _open_call(self) -> tuple[int, threading.Event]:
+        if self._closed:
+            raise RuntimeError("the engine was shut down")
+        event = threading.Event()
+        with self._lock:
+            cid = next(self._ids)
+            self._pending[cid] = [event, None, None]
+        return cid, event
+
+    def _send(self, kind: str, cid: int, payload: Any) -> None:
+        with self._lock:
+            self._inbox.put((kind, cid, payload))
+
+    def _call(self, kind: str, payload: Any, timeout: float | None = None) -> Any:
+        cid, event = self._open_call()
+        self._send(kind, cid, payload)
+        return self._wait(cid, event, timeout)
+
+    def _wait(self, cid: int, event: threading.Event, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not event.wait(timeout=1.0):
+            if self._process is not None and not self._process.is_alive():
+                raise RuntimeError(f"the engine process died (exit code {self._process.exitcode})")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"engine call {cid} timed out after {timeout} s")
+        with self._lock:
+            _, status, result = self._pending.pop(cid)
+        if status == "error":
+            raise RuntimeError(f"engine error:\n{result}")
+        return result
+
+    def _read(self, timeout: float | None = None) -> tuple:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self._outbox.get(timeout=1.0)
+            except queue_lib.Empty:
+                if self._process is not None and not self._process.is_alive():
+                    return ("error", 0, f"exit code {self._process.exitcode}")
+                if deadline is not None and time.monotonic() > deadline:
+                    return ("error", 0, f"no reply within {timeout} s")
+
+    def _read_replies(self) -> None:
+        while True:
+            try:
+                status, cid, result = self._outbox.get(timeout=1.0)
+            except queue_lib.Empty:
+                if self._process is not None and not self._process.is_alive():
+                    return
+                continue
+            except (EOFError, OSError):
+                return
+            if status == "stop" or cid == -1:
+                return
+            with self._lock:
+                entry = self._pending.get(cid)
+                if entry is not None:
+                    entry[1:] = [status, result]
+                    entry[0].set()
+
+
+def _shutdown_quietly(inbox: Any, process: Any) -> None:
+    """atexit / garbage-collection safety net: stop the engine process if still running."""
+    with contextlib.suppress(Exception):
+        inbox.put(("shutdown", 0, None))
+    if process is not None:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()

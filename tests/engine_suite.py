@@ -1,0 +1,288 @@
+"""The engine-protocol test suite, shared by every RolloutEngine backend.
+
+How to run it against a backend: subclass ``EngineProtocolSuite`` in a test module (its name must
+start with ``Test``) and give it a ``harness`` fixture returning an :class:`EngineHarness`::
+
+    import sys, pathlib
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the tests/ folder
+    from engine_suite import EngineHarness, EngineProtocolSuite
+
+    class TestMyEngine(EngineProtocolSuite):
+        @pytest.fixture
+        def harness(self):
+            return EngineHarness(make_engine=..., vocab_size=..., max_seq_len=..., weights=...)
+
+Every test method of the suite then runs against that backend (a fresh engine per test, shut down
+afterwards). Checks that need real numerics (logprobs against a reference forward) run only when
+the harness provides ``reference_logprobs``; the batch-invariance check only when
+``batch_invariant`` is True. A stand-in engine (e.g. a recording fake of SGLang) passes the suite
+if it follows the protocol: structure, lengths, stops, versions, pause/resume, abort, errors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from minippo.engine import (
+    FINISH_REASONS,
+    Completion,
+    GenerateRequest,
+    RolloutEngine,
+    SamplingParams,
+    WeightBucket,
+)
+
+
+@dataclass
+class EngineHarness:
+    """What the suite needs to know about a backend.
+
+    Fields:
+        make_engine:        builds a fresh engine holding the weights of version 0.
+        vocab_size:         V; every generated id must be in [0, V).
+        max_seq_len:        the engine's context length (prompt + max_new_tokens limit).
+        weights:            ``weights(version) -> buckets`` of (HF name, tensor) for a distinct set
+                            of weights per version (version 0 = the engine's initial weights).
+        reference_logprobs: optional ``(version, prompt_ids, token_ids, temperature) -> list of
+                            floats``: the trainer's teacher-forced logprobs of ``token_ids`` under
+                            the weights of ``version`` (temperature 0 means 1).
+        logprob_tol:        max |engine - reference| allowed.
+        batch_invariant:    seeded requests give the same tokens whatever else is in the batch.
+        long_tokens:        max_new_tokens of a request that is still running ~50 ms after it
+                            was submitted (for the pause and abort tests); must fit max_seq_len.
+        prompt:             a valid prompt.
+    """
+
+    make_engine: Callable[[], RolloutEngine]
+    vocab_size: int
+    max_seq_len: int
+    weights: Callable[[int], list[WeightBucket]]
+    reference_logprobs: Callable[[int, list[int], list[int], float], list[float]] | None = None
+    logprob_tol: float = 1e-4
+    batch_invariant: bool = True
+    long_tokens: int = 400
+    prompt: tuple[int, ...] = (1, 2, 3)
+
+
+def req(prompt, rid, **params) -> GenerateRequest:
+    return GenerateRequest(list(prompt), SamplingParams(**params), rid)
+
+
+def check_completion(c: Completion, r: GenerateRequest, vocab_size: int) -> None:
+    """Structural invariants of one completion of request ``r``."""
+    assert c.request_id == r.request_id
+    assert list(c.prompt_ids) == list(r.prompt_ids)
+    assert c.finish_reason in FINISH_REASONS
+    n = len(c.token_ids)
+    assert len(c.logprobs) == n and len(c.versions) == n
+    assert n <= r.params.max_new_tokens
+    assert all(0 <= t < vocab_size for t in c.token_ids)
+    assert all(lp <= 1e-6 for lp in c.logprobs)  # log-probabilities
+    assert c.versions == sorted(c.versions)  # versions never decrease along a response
+    stops = set(r.params.stop_token_ids)
+    if c.finish_reason == "stop":
+        assert n >= 1 and c.token_ids[-1] in stops
+    if c.finish_reason == "length":
+        assert n == r.params.max_new_tokens
+    if c.finish_reason != "abort":  # no stop id before the end
+        assert not stops & set(c.token_ids[:-1])
+
+
+def _run_in_thread(fn):
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, box
+
+
+def _join(t, box, timeout=120):
+    t.join(timeout)
+    assert not t.is_alive(), "generate did not return"
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+class EngineProtocolSuite:
+    """Protocol checks; subclass with a ``harness`` fixture (see the module docstring)."""
+
+    @pytest.fixture
+    def engine(self, harness: EngineHarness):
+        eng = harness.make_engine()
+        yield eng
+        eng.shutdown()
+
+    def test_implements_protocol(self, engine):
+        assert isinstance(engine, RolloutEngine)
+        assert engine.version == 0
+
+    def test_completions_structure_and_order(self, engine, harness):
+        reqs = [
+            req(
+                harness.prompt[: 1 + i % len(harness.prompt)], f"r{i}", max_new_tokens=3 + i, seed=i
+            )
+            for i in range(5)
+        ]
+        outs = engine.generate(reqs)
+        assert [c.request_id for c in outs] == [r.request_id for r in reqs]
+        for c, r in zip(outs, reqs):
+            check_completion(c, r, harness.vocab_size)
+            assert c.versions == [0] * len(c.token_ids)
+        assert engine.generate([]) == []
+
+    def test_max_new_tokens_gives_length(self, engine, harness):
+        (c,) = engine.generate([req(harness.prompt, "a", max_new_tokens=7, seed=1)])
+        assert len(c.token_ids) == 7 and c.finish_reason == "length"
+
+    def test_stop_token_ids(self, engine, harness):
+        (free,) = engine.generate([req(harness.prompt, "a", temperature=0, max_new_tokens=12)])
+        stop = free.token_ids[4]
+        first = free.token_ids.index(stop)
+        (c,) = engine.generate(
+            [req(harness.prompt, "b", temperature=0, max_new_tokens=12, stop_token_ids=(stop,))]
+        )
+        assert c.finish_reason == "stop"
+        assert c.token_ids == free.token_ids[: first + 1]
+
+    def test_seeded_requests_are_reproducible(self, engine, harness):
+        reqs = [req(harness.prompt, f"r{i}", max_new_tokens=16, seed=100 + i) for i in range(3)]
+        a = engine.generate(reqs)
+        b = engine.generate(reqs)
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
+        assert len({tuple(c.token_ids) for c in a}) > 1  # different seeds, different samples
+
+    def test_seeded_requests_do_not_depend_on_the_batch(self, engine, harness):
+        if not harness.batch_invariant:
+            pytest.skip("this backend does not promise batch-invariant sampling")
+        target = req(harness.prompt, "t", max_new_tokens=16, seed=7)
+        (alone,) = engine.generate([target])
+        others = [req(harness.prompt[:1], f"o{i}", max_new_tokens=4 + i, seed=i) for i in range(3)]
+        mixed = engine.generate([others[0], target, *others[1:]])
+        assert mixed[1].token_ids == alone.token_ids
+
+    @pytest.mark.parametrize(
+        "bad, match",
+        [
+            (dict(prompt=()), "empty prompt"),
+            (dict(temperature=-0.5), "temperature"),
+            (dict(top_p=0.0), "top_p"),
+            (dict(top_p=1.5), "top_p"),
+            (dict(top_k=-1), "top_k"),
+            (dict(max_new_tokens=0), "max_new_tokens"),
+            (dict(too_long=True), "max_seq_len"),
+        ],
+    )
+    def test_bad_requests_raise_before_generating(self, engine, harness, bad, match):
+        bad = dict(bad)
+        prompt = bad.pop("prompt", harness.prompt)
+        if bad.pop("too_long", False):
+            prompt = [1] * harness.max_seq_len
+        good = req(harness.prompt, "good", max_new_tokens=4, seed=0)
+        wrong = GenerateRequest(list(prompt), SamplingParams(**{"max_new_tokens": 4, **bad}), "bad")
+        with pytest.raises(ValueError, match=match):
+            engine.generate([good, wrong])
+        (c,) = engine.generate([good])  # the engine is still usable
+        check_completion(c, good, harness.vocab_size)
+
+    def test_publish_weights_stamps_the_new_version(self, engine, harness):
+        r = req(harness.prompt, "a", max_new_tokens=6, seed=3)
+        (before,) = engine.generate([r])
+        engine.publish_weights(harness.weights(1), version=1)
+        assert engine.version == 1
+        (after,) = engine.generate([r])
+        assert before.versions == [0] * 6 and after.versions == [1] * 6
+        if harness.reference_logprobs is not None:
+            ref = harness.reference_logprobs(1, r.prompt_ids, after.token_ids, 1.0)
+            assert max(abs(a - b) for a, b in zip(after.logprobs, ref)) <= harness.logprob_tol
+        with pytest.raises(ValueError, match="version"):
+            engine.publish_weights(harness.weights(0), version=0)
+
+    @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+    def test_logprobs_match_reference(self, engine, harness, temperature):
+        if harness.reference_logprobs is None:
+            pytest.skip("no reference model for this backend")
+        reqs = [
+            req(
+                harness.prompt[: 1 + i], f"r{i}", temperature=temperature, max_new_tokens=12, seed=i
+            )
+            for i in range(len(harness.prompt))
+        ]
+        worst = 0.0
+        for c, r in zip(engine.generate(reqs), reqs):
+            ref = harness.reference_logprobs(0, r.prompt_ids, c.token_ids, temperature)
+            worst = max(worst, *(abs(a - b) for a, b in zip(c.logprobs, ref)))
+        assert worst <= harness.logprob_tol, worst
+
+    def test_pause_publish_resume_continues_under_new_weights(self, engine, harness):
+        r = req(harness.prompt, "long", max_new_tokens=harness.long_tokens, seed=5)
+        t, box = _run_in_thread(lambda: engine.generate([r]))
+        time.sleep(0.05)
+        engine.pause()
+        engine.publish_weights(harness.weights(1), version=1)
+        engine.resume()
+        (c,) = _join(t, box)
+        check_completion(c, r, harness.vocab_size)
+        assert set(c.versions) <= {0, 1}
+        (c2,) = engine.generate([req(harness.prompt, "next", max_new_tokens=3, seed=1)])
+        assert c2.versions == [1, 1, 1]
+
+    def test_generate_waits_while_paused(self, engine, harness):
+        engine.pause()
+        t, box = _run_in_thread(
+            lambda: engine.generate([req(harness.prompt, "p", max_new_tokens=3, seed=0)])
+        )
+        time.sleep(0.2)
+        assert t.is_alive()  # nothing is produced while paused
+        engine.resume()
+        (c,) = _join(t, box)
+        assert len(c.token_ids) == 3
+
+    def test_abort_returns_partial_completions(self, engine, harness):
+        r = req(harness.prompt, "long", max_new_tokens=harness.long_tokens, seed=5)
+        engine.pause()  # the request is in flight (or waiting) when abort arrives
+        t, box = _run_in_thread(lambda: engine.generate([r]))
+        time.sleep(0.1)
+        partial = engine.abort()
+        (c,) = _join(t, box)
+        engine.resume()
+        assert c.finish_reason == "abort"
+        check_completion(c, r, harness.vocab_size)
+        assert [p.request_id for p in partial] == ["long"]
+        assert partial[0].token_ids == c.token_ids
+        (c2,) = engine.generate([req(harness.prompt, "after", max_new_tokens=2, seed=0)])
+        assert c2.finish_reason == "length"  # usable after an abort
+
+    def test_concurrent_generate_calls(self, engine, harness):
+        calls = [
+            [
+                req(harness.prompt, f"c{j}-{i}", max_new_tokens=5 + i, seed=10 * j + i)
+                for i in range(3)
+            ]
+            for j in range(3)
+        ]
+        threads = [_run_in_thread(lambda rs=rs: engine.generate(rs)) for rs in calls]
+        for (t, box), rs in zip(threads, calls):
+            outs = _join(t, box)
+            assert [c.request_id for c in outs] == [r.request_id for r in rs]
+            for c, r in zip(outs, rs):
+                check_completion(c, r, harness.vocab_size)
+                assert c.finish_reason == "length"
+
+    def test_sleep_wake(self, engine, harness):
+        engine.sleep()
+        engine.wake()
+        engine.publish_weights(harness.weights(1), version=1)  # what a backend may need after wake
+        (c,) = engine.generate([req(harness.prompt, "a", max_new_tokens=3, seed=0)])
+        assert c.versions == [1, 1, 1]

@@ -1,0 +1,240 @@
+"""TorchEngine: the shared protocol suite plus exact checks against the trainer's model.
+
+Measured here (printed with -s): max |engine logprob - teacher-forced trainer logprob| in fp32.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from minippo.engine import GenerateRequest, SamplingParams
+from minippo.engine.torch_engine import TorchEngine, sample_next
+from minippo.models import Transformer, init_weights, qwen3_tiny, token_logprobs
+from minippo.training.rollout_queue import collate_completions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests/ folder
+from engine_suite import EngineHarness, EngineProtocolSuite
+
+ARGS = qwen3_tiny()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny matmuls run fastest on one thread; with the cores shared, more threads only spin."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+_MODELS: dict[int, Transformer] = {}
+
+
+def model_of(version: int) -> Transformer:
+    """The trainer-side model holding the weights of ``version`` (distinct random weights)."""
+    if version not in _MODELS:
+        _MODELS[version] = init_weights(Transformer(ARGS), seed=1000 + version, std=0.1).eval()
+    return _MODELS[version]
+
+
+def weights(version: int):
+    # native parameter names (TorchEngine accepts them as well as HF names)
+    items = [(n, p.detach()) for n, p in model_of(version).named_parameters()]
+    return [items[: len(items) // 2], items[len(items) // 2 :]]  # two buckets
+
+
+@torch.no_grad()
+def reference_logprobs(version, prompt_ids, token_ids, temperature):
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
+    lp = token_logprobs(
+        model_of(version), ids, temperature=temperature or 1.0, start=len(prompt_ids)
+    )
+    return lp[0].tolist()
+
+
+def harness_for(in_process: bool) -> EngineHarness:
+    return EngineHarness(
+        make_engine=lambda: TorchEngine(model_of(0), in_process=in_process),
+        vocab_size=ARGS.vocab_size,
+        max_seq_len=ARGS.max_seq_len,
+        weights=weights,
+        reference_logprobs=reference_logprobs,
+        long_tokens=ARGS.max_seq_len - 8,
+    )
+
+
+class TestTorchEngineProtocol(EngineProtocolSuite):
+    @pytest.fixture
+    def harness(self):
+        return harness_for(in_process=True)
+
+
+@pytest.fixture
+def engine():
+    eng = TorchEngine(model_of(0), in_process=True)
+    yield eng
+    eng.shutdown()
+
+
+@torch.no_grad()
+def test_logprobs_equal_teacher_forced_trainer_forward(engine):
+    """Mixed prompt lengths (left padding), mixed lengths (compaction), every sampling option."""
+    opts = [
+        dict(temperature=1.0),
+        dict(temperature=0.6, top_k=5),
+        dict(temperature=1.3, top_p=0.8),
+        dict(temperature=0.0),
+        dict(temperature=0.9, top_k=20, top_p=0.95, stop_token_ids=(3, 9)),
+    ]
+    reqs = [
+        GenerateRequest(
+            [1 + (7 * i + j) % 60 for j in range(1 + 3 * i)],
+            SamplingParams(max_new_tokens=10 + 5 * i, seed=i, **o),
+            f"r{i}",
+        )
+        for i, o in enumerate(opts)
+    ]
+    outs = engine.generate(reqs)
+    worst = 0.0
+    for c, r in zip(outs, reqs):  # one sequence at a time, no padding
+        ref = reference_logprobs(0, r.prompt_ids, c.token_ids, r.params.temperature)
+        worst = max(worst, *(abs(a - b) for a, b in zip(c.logprobs, ref)))
+    # the batched layout the trainer uses (RolloutBatch), per temperature
+    batch = collate_completions(outs, list(range(len(outs))))
+    for i, r in enumerate(reqs):
+        lp = token_logprobs(
+            model_of(0),
+            batch.input_ids[i : i + 1],
+            attention_mask=batch.attention_mask[i : i + 1],
+            position_ids=batch.position_ids[i : i + 1],
+            temperature=r.params.temperature or 1.0,
+            start=batch.prompt_len,
+        )
+        m = batch.response_mask[i].bool()
+        worst = max(worst, float((lp[0][m] - batch.rollout_logprobs[i][m]).abs().max()))
+    print(f"\nmax |engine - trainer| logprob (fp32): {worst:.3g}")
+    assert worst <= 1e-4
+
+
+def test_response_spanning_a_publish_has_both_versions_at_the_right_positions(engine):
+    prompt = [5, 6, 7]
+    r = GenerateRequest(prompt, SamplingParams(max_new_tokens=400, seed=11), "span")
+    result = {}
+    import threading
+
+    t = threading.Thread(target=lambda: result.update(c=engine.generate([r])[0]))
+    t.start()
+    deadline = time.time() + 60
+    while engine.inflight_tokens().get("span", 0) < 5:
+        assert time.time() < deadline
+    engine.pause()
+    n_old = engine.inflight_tokens()["span"]
+    time.sleep(0.05)
+    assert engine.inflight_tokens()["span"] == n_old  # paused: no progress
+    engine.publish_weights(weights(1), version=1)
+    engine.resume()
+    t.join(60)
+    c = result["c"]
+    assert 5 <= n_old < 400 and len(c.token_ids) == 400
+    assert c.versions == [0] * n_old + [1] * (400 - n_old)
+    old = reference_logprobs(0, prompt, c.token_ids, 1.0)
+    new = reference_logprobs(1, prompt, c.token_ids, 1.0)
+    err_old = max(abs(a - b) for a, b in zip(c.logprobs[:n_old], old[:n_old]))
+    err_new = max(abs(a - b) for a, b in zip(c.logprobs[n_old:], new[n_old:]))
+    assert err_old <= 1e-4 and err_new <= 1e-4, (err_old, err_new)
+    # the two weight sets really differ on these tokens
+    assert max(abs(a - b) for a, b in zip(old[n_old:], new[n_old:])) > 1e-2
+    assert engine.stats()["reprefills"] == 1
+
+
+def test_abort_mid_generation_keeps_the_tokens_so_far(engine):
+    import threading
+
+    r = GenerateRequest([1, 2], SamplingParams(max_new_tokens=500, seed=0), "a")
+    out = {}
+    t = threading.Thread(target=lambda: out.update(c=engine.generate([r])[0]))
+    t.start()
+    while engine.inflight_tokens().get("a", 0) < 3:
+        time.sleep(0.001)
+    (partial,) = engine.abort()
+    t.join(60)
+    assert partial.finish_reason == "abort" and 3 <= len(partial.token_ids) < 500
+    assert out["c"].token_ids == partial.token_ids
+    ref = reference_logprobs(0, [1, 2], partial.token_ids, 1.0)
+    assert max(abs(a - b) for a, b in zip(partial.logprobs, ref)) <= 1e-4
+
+
+def test_compaction_gives_the_same_samples_with_fewer_row_steps():
+    reqs = [
+        GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4 + 12 * i, seed=i), f"r{i}")
+        for i in range(4)
+    ]
+    outs, stats = {}, {}
+    for compact in (True, False):
+        with TorchEngine(model_of(0), in_process=True, compact=compact) as eng:
+            outs[compact] = eng.generate(reqs)
+            stats[compact] = eng.stats()
+    for a, b in zip(outs[True], outs[False]):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+    assert stats[True]["row_steps"] == sum(4 + 12 * i for i in range(4))
+    assert stats[False]["row_steps"] == 4 * (4 + 12 * 3)
+
+
+def test_sample_next_top_k_top_p_and_greedy():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    temp = torch.tensor([0.0, 1.0, 1.0, 0.5])
+    top_k = torch.tensor([0, 1, 3, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1e-6])
+    top3 = logits[2].topk(3).indices.tolist()
+    for _ in range(20):
+        tok, lp = sample_next(logits, temp, top_k, top_p, gens)
+        assert tok[0] == logits[0].argmax() and tok[1] == logits[1].argmax()
+        assert tok[2] in top3 and tok[3] == logits[3].argmax()
+    # reported logprob: log_softmax(logits / T) over the full vocabulary (not renormalised)
+    full = torch.log_softmax(logits / torch.tensor([1.0, 1.0, 1.0, 0.5])[:, None], -1)
+    assert torch.allclose(lp, full.gather(-1, tok[:, None]).squeeze(-1))
+    # without filtering the empirical distribution matches softmax(logits / T)
+    small = torch.tensor([[0.0, 1.0, 2.0]])
+    g = [torch.Generator().manual_seed(0)]
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        t, _ = sample_next(small, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]), g)
+        counts[t] += 1
+    assert torch.allclose(counts / 3000, torch.softmax(small[0], -1), atol=0.03)
+
+
+def test_prompt_ids_outside_the_vocabulary_are_refused(engine):
+    with pytest.raises(ValueError, match="vocab"):
+        engine.generate([GenerateRequest([1, ARGS.vocab_size], SamplingParams(), "x")])
+
+
+def test_engine_process_generates_publishes_and_shuts_down_cleanly():
+    eng = TorchEngine(model_of(0), num_threads=1)
+    proc = eng._process
+    try:
+        assert proc.is_alive()
+        r = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=8, seed=4), "p")
+        (c,) = eng.generate([r])
+        ref = reference_logprobs(0, r.prompt_ids, c.token_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) <= 1e-4
+        with TorchEngine(model_of(0), in_process=True) as same:  # same logic in-process
+            assert same.generate([r])[0].token_ids == c.token_ids
+        eng.publish_weights(weights(1), version=1)
+        (c1,) = eng.generate([r])
+        assert c1.versions == [1] * 8
+        ref1 = reference_logprobs(1, r.prompt_ids, c1.token_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(c1.logprobs, ref1)) <= 1e-4
+    finally:
+        eng.shutdown()
+    assert not proc.is_alive() and proc.exitcode == 0  # joined: no zombie
+    eng.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.generate([r])

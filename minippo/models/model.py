@@ -495,7 +495,8 @@ def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modul
     Linear/Embedding weights ~ N(0, std²), biases 0, RMSNorm weights 1, ``value_head`` 0 (a critic
     starts predicting 0). Values are drawn on CPU from ``torch.Generator().manual_seed(seed)`` in
     parameter order, so the same seed gives the same weights on every device. Works after
-    ``model.to_empty(device=...)`` of a meta-built model.
+    ``model.to_empty(device=...)`` of a meta-built model, also FSDP-sharded (every rank draws the
+    full tensor and keeps its shard: no communication, same weights as unsharded).
     """
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():  # tied weights appear once
@@ -510,7 +511,12 @@ def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modul
             value = torch.ones(p.shape)
         else:
             value = torch.empty(p.shape).normal_(0.0, std, generator=gen)
-        p.copy_(value.to(p.dtype))
+        value = value.to(device=p.device, dtype=p.dtype)
+        if hasattr(p, "device_mesh"):  # a DTensor shard: keep this rank's part
+            from torch.distributed.tensor import distribute_tensor
+
+            value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+        p.copy_(value)
     return model
 
 

@@ -148,6 +148,17 @@ def _check_value_model_and_mixed_precision(rank, world):
         )
     assert d <= 1e-5, d
 
+    # random init of a meta-built sharded critic equals the unsharded init
+    with torch.device("meta"):
+        fresh = ValueModel(args)
+    shard_model(fresh)
+    fresh.to_empty(device="cpu")
+    init_weights(fresh, seed=1)
+    full = gather_full_state_dict(fresh)
+    plain = init_weights(ValueModel(args), seed=1)
+    for k, p in plain.named_parameters():
+        assert torch.equal(full[k], p.detach()), k
+
     # bf16 compute, fp32 master weights: close to fp32 logits, masters untouched
     actor_ref = init_weights(Transformer(args), seed=2)
     with torch.device("meta"):

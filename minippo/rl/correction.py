@@ -183,7 +183,8 @@ class _ParamSwap:
         """Yield ``load(weights)``, which copies weights into the model's local shards in place;
         the original weights are back on exit (also on error)."""
         shards = local_shards(model)
-        if self._saved is None or [s.shape for s in self._saved] != [s.shape for s in shards]:
+        layout = [(s.shape, s.dtype) for s in shards]
+        if self._saved is None or [(s.shape, s.dtype) for s in self._saved] != layout:
             self._saved = _alloc_like(shards, dtype=None, device=self.device)
 
         def load(weights: list[torch.Tensor]) -> None:
@@ -537,6 +538,10 @@ def _num(method: str, key: str, value: Any) -> float:
     return float(value)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_options(method: str, options: dict[str, Any]) -> None:
     """Raise ValueError naming the values when ``options`` are unknown or contradictory for ``method``.
 
@@ -563,12 +568,12 @@ def check_options(method: str, options: dict[str, Any]) -> None:
     o = options
     if o.get("temperature") is not None and _num(method, "temperature", o["temperature"]) < 0:
         raise ValueError(f"correction {method}: temperature must be >= 0, got {o['temperature']}")
-    if "max_staleness" in o and (not isinstance(o["max_staleness"], int) or o["max_staleness"] < 0):
+    if "max_staleness" in o and (not _is_int(o["max_staleness"]) or o["max_staleness"] < 0):
         raise ValueError(
             f"correction {method}: max_staleness must be an int >= 0, got {o['max_staleness']!r}"
         )
     if "updates_per_step" in o and (
-        not isinstance(o["updates_per_step"], int) or o["updates_per_step"] < 1
+        not _is_int(o["updates_per_step"]) or o["updates_per_step"] < 1
     ):
         raise ValueError(
             f"correction {method}: updates_per_step must be an int >= 1 (ppo.epochs × "
@@ -918,7 +923,8 @@ class KeepOldActor(Correction):
         """Bytes held by the snapshots of this rank (Σ numel × element size over live versions)."""
         return sum(_nbytes(s.tensors) for s in self._snapshots.values())
 
-    def _storage_device(self, shards: list[torch.Tensor]) -> torch.device | None:
+    def _storage_device(self) -> torch.device | None:
+        """CPU for "cpu" storage; None (each parameter's own device) for "accelerator"."""
         return torch.device("cpu") if self.storage == "cpu" else None
 
     def on_weights_published(self, version: int, actor: nn.Module) -> None:
@@ -932,9 +938,7 @@ class KeepOldActor(Correction):
             snap = self._snapshots[version].tensors
             _check_like(f"snapshot of version {version}", snap, shards)
         else:
-            snap = _alloc_like(
-                shards, dtype=self.storage_dtype, device=self._storage_device(shards)
-            )
+            snap = _alloc_like(shards, dtype=self.storage_dtype, device=self._storage_device())
         with torch.no_grad():
             torch._foreach_copy_(snap, shards)
         self._snapshots[version] = _Snapshot(version, snap)
@@ -970,7 +974,7 @@ class KeepOldActor(Correction):
         device = shards0[0].device if shards0 else torch.device("cpu")
         to_score = _union_versions(present, group, device)
         if self._swap is None:
-            self._swap = _ParamSwap(self._storage_device(shards0))
+            self._swap = _ParamSwap(self._storage_device())
         anchor = torch.zeros_like(batch.rollout_logprobs, dtype=torch.float32)
         source = torch.full_like(versions, -1)  # the snapshot version each anchor came from
         with self._swap.borrow(actor) as load:

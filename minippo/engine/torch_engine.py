@@ -49,6 +49,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from minippo.engine.protocol import Completion, GenerateRequest, WeightBucket, validate_requests
+from minippo.models import KVCache, Transformer, native_name
 
 
 def default_num_threads() -> int:
@@ -139,18 +140,6 @@ class _Row:
         )
 
 
-def _native_name(hf_name: str) -> str:
-    """HF checkpoint name -> native parameter name, through the models' name map."""
-    try:
-        from minippo.models import native_name
-    except ImportError as e:
-        raise ImportError(
-            f"publish_weights got the HF name {hf_name!r}, but minippo.models has no native_name "
-            "map; send native parameter names instead"
-        ) from e
-    return native_name(hf_name)
-
-
 class _Abort(Exception):
     """Raised inside a wave when abort() arrives."""
 
@@ -178,7 +167,8 @@ class _Server:
         self.compact = compact
         self.inbox, self.outbox = inbox, outbox
         self.seed_rng = random.Random(seed)
-        self.params = dict(model.named_parameters())
+        # every name, tied ones included (a tied lm_head, if sent, lands in the embedding)
+        self.params = dict(model.named_parameters(remove_duplicate=False))
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.waiting: list[_Row] = []
@@ -256,8 +246,12 @@ class _Server:
             self.outbox.put(("error", call_id, traceback.format_exc()))
 
     def _publish(self, call_id: int, version: int) -> None:
-        """Apply buckets until ``publish_end``; other messages meanwhile are handled normally."""
-        n = 0
+        """Apply buckets until ``publish_end``; other messages meanwhile are handled normally.
+
+        A bad name or shape fails the publish (after reading the rest of it) and leaves the
+        weights partly updated and the version unchanged: publish again.
+        """
+        error: Exception | None = None
         while True:
             kind, cid, payload = self.inbox.get()
             if kind == "publish_end" and cid == call_id:
@@ -265,21 +259,30 @@ class _Server:
             if kind != "publish_bucket" or cid != call_id:
                 self._handle((kind, cid, payload))
                 continue
-            with torch.no_grad():
-                for name, tensor in payload:
-                    native = name if name in self.params else _native_name(name)
-                    if native not in self.params:
-                        raise KeyError(f"publish_weights: unknown parameter {name!r}")
-                    p = self.params[native]
-                    if tuple(p.shape) != tuple(tensor.shape):
-                        raise ValueError(
-                            f"publish_weights: {name!r} has shape {tuple(tensor.shape)}, the "
-                            f"engine's parameter has {tuple(p.shape)}"
-                        )
-                    p.copy_(tensor)
-                    n += 1
+            if error is not None:
+                continue
+            try:
+                self._load_bucket(payload)
+            except Exception as e:
+                error = e
+        if error is not None:
+            raise error
         self.version = version
         self.stale_cache = True  # in-flight rows re-prefill under the new weights
+
+    @torch.no_grad()
+    def _load_bucket(self, bucket: WeightBucket) -> None:
+        for name, tensor in bucket:
+            native = name if name in self.params else native_name(name)
+            if native not in self.params:
+                raise KeyError(f"publish_weights: unknown parameter {name!r}")
+            p = self.params[native]
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"publish_weights: {name!r} has shape {tuple(tensor.shape)}, the "
+                    f"engine's parameter has {tuple(p.shape)}"
+                )
+            p.copy_(tensor)
 
     def _sleep_wake(self, kind: str) -> None:
         if self.active or self.waiting:
@@ -290,7 +293,7 @@ class _Server:
                 torch.cuda.empty_cache()
             else:
                 self.model.to(self.device)
-            self.params = dict(self.model.named_parameters())
+            self.params = dict(self.model.named_parameters(remove_duplicate=False))
 
     def _finish_calls(self) -> None:
         for call_id in [c for c, rows in self.calls.items() if all(r.finish_reason for r in rows)]:
@@ -333,8 +336,6 @@ class _Server:
     ) -> tuple[torch.Tensor, Any]:
         """Forward ``seq [k, L]`` (left-padded, ``mask`` Bool[k, L]) into a fresh KVCache of
         ``max_len`` positions; return the last position's logits ``[k, V]`` and the cache."""
-        from minippo.models import KVCache
-
         cache = KVCache(
             self.model.args, seq.shape[0], max_len, dtype=self.dtype, device=self.device
         )
@@ -436,8 +437,6 @@ def _serve_in_child(spec: dict, inbox: Any, outbox: Any) -> None:
 
 
 def _build_model(spec: dict) -> nn.Module:
-    from minippo.models import Transformer
-
     with torch.device("meta"):
         model = Transformer(spec["args"])
     model = model.to_empty(device=spec["device"])

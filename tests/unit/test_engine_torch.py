@@ -14,7 +14,7 @@ import torch
 
 from minippo.engine import GenerateRequest, SamplingParams
 from minippo.engine.torch_engine import TorchEngine, sample_next
-from minippo.models import Transformer, init_weights, qwen3_tiny, token_logprobs
+from minippo.models import Transformer, hf_name, init_weights, qwen3_tiny, token_logprobs
 from minippo.training.rollout_queue import collate_completions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests/ folder
@@ -43,8 +43,8 @@ def model_of(version: int) -> Transformer:
 
 
 def weights(version: int):
-    # native parameter names (TorchEngine accepts them as well as HF names)
-    items = [(n, p.detach()) for n, p in model_of(version).named_parameters()]
+    # HF names, as the trainer sends them (the tied lm_head is not sent)
+    items = [(hf_name(n), p.detach()) for n, p in model_of(version).named_parameters()]
     return [items[: len(items) // 2], items[len(items) // 2 :]]  # two buckets
 
 
@@ -150,6 +150,17 @@ def test_response_spanning_a_publish_has_both_versions_at_the_right_positions(en
     # the two weight sets really differ on these tokens
     assert max(abs(a - b) for a, b in zip(old[n_old:], new[n_old:])) > 1e-2
     assert engine.stats()["reprefills"] == 1
+
+
+def test_publish_accepts_native_names_and_refuses_unknown_or_misshaped(engine):
+    sd = model_of(1).state_dict()
+    engine.publish_weights([[("norm.weight", sd["norm.weight"])]], version=1)
+    with pytest.raises(RuntimeError, match="not_a_weight"):
+        engine.publish_weights([[("model.not_a_weight", torch.zeros(1))]], version=2)
+    with pytest.raises(RuntimeError, match="shape"):
+        engine.publish_weights([[("model.norm.weight", torch.zeros(3))]], version=2)
+    (c,) = engine.generate([GenerateRequest([1], SamplingParams(max_new_tokens=2), "ok")])
+    assert c.finish_reason == "length"  # still serving after a failed publish
 
 
 def test_abort_mid_generation_keeps_the_tokens_so_far(engine):

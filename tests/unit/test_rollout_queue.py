@@ -379,3 +379,65 @@ def test_prompt_ids_of_and_collate_checks():
     with pytest.raises(ValueError, match="same length"):
         Completion("a", [1], [1, 2], [0.0], [0], "stop")
     assert isinstance(GenerateRequest([1]).params, SamplingParams)
+
+
+# ---------------------------------------------------------------------------------------------
+# With a real TorchEngine on a tiny model
+
+
+@pytest.fixture
+def tiny():
+    from minippo.models import Transformer, init_weights, qwen3_tiny
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is fastest on shared cores
+    models = [init_weights(Transformer(qwen3_tiny()), seed=s, std=0.1) for s in (0, 1, 2)]
+    yield models
+    torch.set_num_threads(before)
+
+
+def _check_batch_against_models(qb, models, step):
+    """Every token's rollout logprob equals the teacher-forced logprob of its version's model."""
+    from minippo.models import token_logprobs
+
+    b = qb.batch
+    for version in b.versions[b.versions >= 0].unique().tolist():
+        with torch.no_grad():
+            lp = token_logprobs(
+                models[version],
+                b.input_ids,
+                attention_mask=b.attention_mask,
+                position_ids=b.position_ids,
+                temperature=1.0,
+                start=b.prompt_len,
+            )
+        sel = b.versions == version
+        assert (lp[sel] - b.rollout_logprobs[sel]).abs().max() <= 1e-4
+        assert step - version <= qb.metrics["rollout/staleness_max"]
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_queue_with_torch_engine(tiny, partial):
+    from minippo.engine import TorchEngine
+
+    with TorchEngine(tiny[0], in_process=True) as eng:
+        q = RolloutQueue(
+            eng,
+            prompts(20),
+            groups_per_batch=2,
+            samples_per_prompt=3,
+            sampling=SamplingParams(max_new_tokens=40, stop_token_ids=(5,)),
+            max_staleness=1,
+            partial_rollout=partial,
+            seed=3,
+        )
+        q.start()
+        for step in range(3):
+            qb = q.get_batch(step, timeout=60)
+            v = qb.batch.versions[qb.batch.versions >= 0]
+            assert int(v.min()) >= step - 1 and int(v.max()) <= step
+            _check_batch_against_models(qb, tiny, step)
+            if step < 2:
+                named = [(n, p.detach()) for n, p in tiny[step + 1].named_parameters()]
+                q.publish([named], version=step + 1)
+        q.close()

@@ -7,7 +7,8 @@ Public names:
     builders (zero-argument, return ModelArgs): qwen3_tiny, qwen3_0_6b, qwen3_1_7b, qwen3_4b,
         qwen3_8b, qwen2_5_0_5b, llama3_2_1b
     token_logprobs(model, input_ids, *, attention_mask, position_ids, temperature, start, chunk_size)
-        -> [B, S - start];  token_logprobs_and_entropy(...) -> (logprobs, entropy)
+        -> [B, S - start];  token_logprobs_and_entropy(...) -> (logprobs, entropy); both run
+        inside Transformer.forward via ``score=ScoreSpec(start, temperature, chunk_size, ...)``
     HF folders: from_pretrained(path, dtype, device) -> Transformer; save_pretrained(model, path, *,
         max_shard_bytes); save_pretrained_state_dict(native_sd, args, path); load_hf_state_dict;
         value_model_from_pretrained; model_args_from_hf_config(dict); hf_config_from_model_args;
@@ -27,7 +28,7 @@ from minippo.models.checkpoint import (
     save_pretrained_state_dict,
     value_model_from_pretrained,
 )
-from minippo.models.logprobs import token_logprobs, token_logprobs_and_entropy
+from minippo.models.logprobs import ScoreSpec, token_logprobs, token_logprobs_and_entropy
 from minippo.models.model import (
     SUPPORTED_ARCHITECTURES,
     KVCache,
@@ -51,6 +52,7 @@ __all__ = [
     "HFTokenizer",
     "KVCache",
     "ModelArgs",
+    "ScoreSpec",
     "TinyTokenizer",
     "Tokenizer",
     "Transformer",

@@ -8,11 +8,26 @@ them one chunk at a time. Peak extra memory is then O(chunk_size * V) instead of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 DEFAULT_CHUNK_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """Asks ``Transformer.forward(tokens, score=ScoreSpec(...))`` for the logprobs of
+    ``tokens[:, start:]`` at ``temperature`` (and entropies when ``with_entropy``) instead of
+    logits, the lm_head applied ``chunk_size`` tokens at a time. Going through ``forward`` keeps
+    every module hook working (FSDP2 gathers the lm_head, activation checkpointing, trackers)."""
+
+    start: int = 1
+    temperature: float = 1.0
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    with_entropy: bool = False
 
 
 def _chunk_logprobs(
@@ -108,18 +123,12 @@ def token_logprobs(
     input_ids Long[B, S]; attention_mask Bool[B, S]; position_ids Long[B, S]. With ``start = P``
     (the padded prompt length) this is the response-aligned ``[B, R]`` of a RolloutBatch.
     ``chunk_size`` counts tokens (rows of the flattened ``[B * (S - start)]``) per lm_head chunk.
-    ``model`` is a :class:`~minippo.models.Transformer` (plain or FSDP-sharded: the work runs in
-    its ``score`` method, which ``shard_model`` registers as an FSDP forward). Values at padding
-    positions are finite but meaningless: mask them.
+    ``model`` is a :class:`~minippo.models.Transformer`, plain or FSDP-sharded (the work runs
+    inside its ``forward``, see :class:`ScoreSpec`). Values at padding positions are finite but
+    meaningless: mask them.
     """
-    return model.score(
-        input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        temperature=temperature,
-        start=start,
-        chunk_size=chunk_size,
-    )
+    spec = ScoreSpec(start=start, temperature=temperature, chunk_size=chunk_size)
+    return model(input_ids, attention_mask=attention_mask, position_ids=position_ids, score=spec)
 
 
 def token_logprobs_and_entropy(
@@ -137,12 +146,5 @@ def token_logprobs_and_entropy(
 
     entropy[:, j] = H(softmax(logits[:, start - 1 + j] / T))
     """
-    return model.score(
-        input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        temperature=temperature,
-        start=start,
-        chunk_size=chunk_size,
-        with_entropy=True,
-    )
+    spec = ScoreSpec(start=start, temperature=temperature, chunk_size=chunk_size, with_entropy=True)
+    return model(input_ids, attention_mask=attention_mask, position_ids=position_ids, score=spec)

@@ -24,7 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minippo.models.logprobs import DEFAULT_CHUNK_SIZE, check_score_args, logprobs_from_hidden
+from minippo.models.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    ScoreSpec,
+    check_score_args,
+    logprobs_from_hidden,
+)
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 
@@ -424,7 +429,8 @@ class Transformer(_Decoder):
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         return_hidden: bool = False,
-    ) -> torch.Tensor:
+        score: ScoreSpec | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[B, S, V]`` (dtype of the weights) for ``tokens Long[B, S]``.
 
         position_ids:   Long[B, S]; default ``cached + arange(S)`` (pass it with left padding).
@@ -432,10 +438,26 @@ class Transformer(_Decoder):
                         always applied on top.
         kv_cache:       appends the new k/v after the cached ones and advances ``kv_cache.length``.
         return_hidden:  return the final-normed hidden states ``[B, S, D]`` instead of logits.
+        score:          return ``Float32[B, S - start]`` logprobs of ``tokens[:, start:]`` (and
+                        entropies if asked) instead of logits, chunk by chunk; used by
+                        :func:`~minippo.models.token_logprobs`.
         """
+        if score is not None:
+            if kv_cache is not None or return_hidden:
+                raise ValueError("score cannot be combined with kv_cache or return_hidden")
+            check_score_args(tokens, score.temperature, score.start, score.chunk_size)
         h = self.hidden_states(
             tokens, position_ids=position_ids, attention_mask=attention_mask, kv_cache=kv_cache
         )
+        if score is not None:
+            return logprobs_from_hidden(
+                h[:, score.start - 1 : -1],
+                self.output,
+                tokens[:, score.start :],
+                temperature=score.temperature,
+                chunk_size=score.chunk_size,
+                with_entropy=score.with_entropy,
+            )
         return h if return_hidden else self.output(h)
 
     def score(
@@ -449,20 +471,9 @@ class Transformer(_Decoder):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         with_entropy: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs ``Float32[B, S - start]`` of ``tokens[:, start:]`` at temperature T, the lm_head
-        applied chunk by chunk (see :func:`minippo.models.token_logprobs`); with ``with_entropy``
-        also the entropies. A method of the model (not a free function) so that FSDP2 can wrap
-        it like ``forward``: the lm_head weights are gathered while it runs."""
-        check_score_args(tokens, temperature, start, chunk_size)
-        h = self.hidden_states(tokens, position_ids=position_ids, attention_mask=attention_mask)
-        return logprobs_from_hidden(
-            h[:, start - 1 : -1],
-            self.output,
-            tokens[:, start:],
-            temperature=temperature,
-            chunk_size=chunk_size,
-            with_entropy=with_entropy,
-        )
+        """``self(tokens, ..., score=ScoreSpec(start, temperature, chunk_size, with_entropy))``."""
+        spec = ScoreSpec(start, temperature, chunk_size, with_entropy)
+        return self(tokens, position_ids=position_ids, attention_mask=attention_mask, score=spec)
 
 
 class ValueModel(_Decoder):

@@ -19,12 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import (
-    FSDPModule,
-    MixedPrecisionPolicy,
-    fully_shard,
-    register_fsdp_forward_method,
-)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from minippo.models.checkpoint import hf_name
 
@@ -52,7 +47,6 @@ def shard_model(
     final norm and the head (tied weights stay one parameter). ``param_dtype`` is the compute
     dtype of the all-gathered parameters (None: the stored dtype); ``reduce_dtype`` the dtype of
     the gradient reduce-scatter. ``mesh`` None uses all ranks of the default process group.
-    ``Transformer.score`` (behind ``token_logprobs``) is registered as an FSDP forward method.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -65,8 +59,6 @@ def shard_model(
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    if hasattr(model, "score"):  # token_logprobs runs the lm_head outside forward
-        register_fsdp_forward_method(model, "score")
     return model
 
 

@@ -6,6 +6,7 @@ import torch
 from minippo.models import (
     KVCache,
     ModelArgs,
+    ScoreSpec,
     Transformer,
     ValueModel,
     init_weights,
@@ -172,6 +173,9 @@ def test_token_logprobs_bad_input():
         token_logprobs(model, tokens, start=5)
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(model, tokens, temperature=0.0)
+    with pytest.raises(ValueError, match="kv_cache"):
+        model(tokens, kv_cache=KVCache(model.args, 2, 8), score=ScoreSpec())
+    torch.testing.assert_close(model.score(tokens, start=2), token_logprobs(model, tokens, start=2))
 
 
 def test_value_model_shapes_and_zero_head():

@@ -202,6 +202,8 @@ def load_tokenizer(path: str | Path) -> HFTokenizer:
     eos_ids: generation_config ``eos_token_id`` (int or list) followed by tokenizer_config
     ``eos_token`` if not already there. pad_id: ``pad_token`` of tokenizer_config, else
     generation_config ``pad_token_id``, else the first eos id (padding is masked, never scored).
+    bos_id: ``bos_token`` of tokenizer_config (an explicit null means none), else generation_config
+    ``bos_token_id``. vocab_size counts the tokenizer's ids (a model's embedding may be larger).
     """
     from tokenizers import Tokenizer as _RawTokenizer
 

@@ -333,6 +333,26 @@ def test_keep_old_actor_bytes_and_eviction():
     corr.on_weights_published(3, model)
     corr.retain([])
     assert corr.live_versions == [3]
+    with pytest.raises(ValueError, match="older than the last published version 3"):
+        corr.on_weights_published(2, model)
+    # re-publishing the latest version (e.g. after a resume) overwrites it in place
+    perturb(model, seed=99)
+    corr.on_weights_published(3, model)
+    assert corr.live_versions == [3] and corr.snapshot_bytes == numel * 4
+    snap = corr.state_dict()["snapshots"][3]
+    assert all(torch.equal(a, p) for a, p in zip(snap, model.parameters()))
+
+
+def test_keep_old_actor_accelerator_storage_keeps_snapshots_on_the_parameter_device():
+    model = make_model()
+    corr = KeepOldActor(storage="accelerator")
+    corr.on_weights_published(0, model)
+    w0 = weights_of(model)
+    perturb(model, seed=1)
+    batch = make_batch([[0, 0, 0, 0]])
+    out = corr.prepare(batch, model, step=0)
+    assert all(t.device == p.device for t, p in zip(corr.state_dict()["snapshots"][0], w0))
+    assert torch.equal(out.anchor_logprobs, score(model_with(w0), batch))
 
 
 def test_keep_old_actor_prepare_releases_versions_out_of_the_staleness_window():

@@ -1,0 +1,780 @@
+"""Will a run fit? A per-rank memory plan computed from shapes, without allocating the model.
+
+Everything is counted per rank (one GPU, or one process on CPU). Sharded state follows FSDP2's
+dim-0 split; rank 0 holds the largest shard, so the plan is rank 0's. For a parameter of shape
+``(d0, ...)`` on W ranks the local shard has ``ceil(d0 / W) · prod(...)`` elements.
+
+What the plan counts (P = local parameter elements; m = master bytes per element, c = compute
+bytes; T = micro_batch · seq_len tokens, R = micro_batch · response_len scored tokens):
+
+    parameters            P · m                                  (FSDP2 sharded master weights)
+    gradients             P · m                                  (sharded, same dtype as params)
+    optimizer states      see minippo.training.optimizers.optimizer_state_bytes
+    FSDP working set      (W > 1) all-gathered root group (embeddings, final norm, lm_head) for the
+                          whole step + 2 blocks (current + prefetched), in c; + the root group's
+                          unsharded gradients in c and in the fp32 reduce dtype
+    activations           saved for backward: Σ_blocks block_bytes(T) + globals (see
+                          ``block_saved_bytes_per_token``); with activation checkpointing only each
+                          block's input c·T·D is kept and one block is recomputed at a time;
+                          plus the lm_head chunk recomputed in backward (chunked logprobs)
+    reference model       P_ref · c (frozen, sharded, no gradients or optimizer)
+    critic                the same four items for the value model
+    correction            ewma: P · 4 (fp32 θ̄) + P · m (swap buffer), on the device;
+                          keep_old_actor: live versions · P · storage bytes (+ P · m swap buffer)
+                          in host memory ("cpu", the default) or on the device ("accelerator");
+                          live versions = max_staleness + 1 (+ 1 with partial rollouts)
+    engine                engine.mem_fraction · GPU memory (SGLang's static pool: weights + KV)
+    CUDA context          1 GiB reserved for the CUDA context and allocator slack (GPU only)
+
+Actor and critic run their backward passes one after the other, so only the larger of their
+activation sets is counted at the peak.
+
+Measuring on CPU: :class:`TensorMemoryTracker` counts the bytes of every live tensor storage
+(created under it or registered with ``track``) and records the peak; the plan's
+"trainer device total" is checked against it on the tiny job (tests/unit/test_memory_plan.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+from minippo.config import ConfigError, locate
+from minippo.training.optimizers import (
+    OptimizerSpec,
+    StateBytes,
+    local_numel,
+    optimizer_spec,
+    optimizer_state_bytes,
+)
+
+__all__ = [
+    "ActivationBytes",
+    "MemoryPlan",
+    "PlanInputs",
+    "PlanItem",
+    "TensorMemoryTracker",
+    "activation_bytes",
+    "block_saved_bytes_per_token",
+    "model_param_shapes",
+    "plan_from_config",
+    "plan_memory",
+]
+
+GiB = 1 << 30
+CUDA_CONTEXT_BYTES = 1 * GiB
+DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring: live tensor bytes on any device (CPU included)
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """Bytes of live tensor storages, and their peak, per device type.
+
+    Every tensor an op creates under the tracker is counted until its storage is freed (a weak
+    reference callback); tensors that exist before (a model's parameters, an optimizer's state)
+    are added with :meth:`track`. Subclass tensors (torchao's quantized optimizer states) count
+    their inner storages. DTensor ops are let through so that their local ops are what is counted.
+
+    Example::
+
+        tracker = TensorMemoryTracker()
+        tracker.track(model)
+        with tracker:
+            loss = model(x).sum(); loss.backward(); opt.step()
+        tracker.peak["cpu"]
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, *objs: Any) -> TensorMemoryTracker:
+        """Count tensors that already exist: modules (parameters, buffers, grads), optimizers
+        (state), tensors, or containers of them."""
+        for obj in objs:
+            if isinstance(obj, nn.Module):
+                for t in [*obj.parameters(), *obj.buffers()]:
+                    self._add(t)
+                    if t.grad is not None:
+                        self._add(t.grad)
+            elif isinstance(obj, torch.optim.Optimizer):
+                for state in obj.state.values():
+                    self.track(list(state.values()))
+            elif isinstance(obj, torch.Tensor):
+                self._add(obj)
+            else:
+                leaves, _ = tree_flatten(obj)
+                if leaves == [obj]:  # not a container: nothing to count
+                    continue
+                self.track(*leaves)
+        return self
+
+    def _add(self, t: torch.Tensor) -> None:
+        if type(t).__name__ == "DTensor":
+            t = t.to_local()
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            for n in names:
+                inner = getattr(t, n)
+                if isinstance(inner, torch.Tensor):
+                    self._add(inner)
+            return
+        if t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._refs and self._refs[key]() is st:
+            return
+        nbytes, dev = st.nbytes(), t.device.type
+
+        def freed(_ref, nbytes=nbytes, dev=dev, key=key):
+            self.current[dev] -= nbytes
+            self._refs.pop(key, None)
+
+        self._refs[key] = weakref.ref(st, freed)
+        self.current[dev] = self.current.get(dev, 0) + nbytes
+        if self.current[dev] > self.peak.get(dev, 0):
+            self.peak[dev] = self.current[dev]
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the current live bytes."""
+        self.peak = dict(self.current)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t.__name__ == "DTensor" for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        leaves, _ = tree_flatten(out)
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Shapes
+
+
+def model_param_shapes(args: Any, *, value_head: bool = False) -> list[tuple[int, ...]]:
+    """Shapes of the distinct parameters of ``Transformer(args)`` (``ValueModel`` with
+    ``value_head``), built on the meta device: nothing is allocated. Tied weights count once."""
+    from minippo.models import Transformer, ValueModel
+
+    with torch.device("meta"):
+        model = ValueModel(args) if value_head else Transformer(args)
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def _block_shapes(args: Any) -> list[tuple[int, ...]]:
+    from minippo.models.model import TransformerBlock
+
+    with torch.device("meta"):
+        block = TransformerBlock(args, 0)
+    return [tuple(p.shape) for p in block.parameters()]
+
+
+def _numel(shapes: Iterable[Sequence[int]]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def _local(shapes: Iterable[Sequence[int]], world: int) -> list[int]:
+    return [local_numel(s, world, 0) for s in shapes]
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations
+
+
+def block_saved_bytes_per_token(args: Any, *, compute_bytes: int, kv_len: int, mask: bool) -> int:
+    """Bytes one decoder block saves for backward per token (no checkpointing).
+
+    Counted from the ops of ``minippo.models.model.TransformerBlock`` (c = compute bytes, norms
+    compute in fp32):
+        2 RMSNorms      2 · (4D fp32 input + 4 rsqrt + c·D normed-before-weight + c·D output)
+        q/k RMSNorm     (H + H_kv) · (4·hd + 4 + c·hd)                         (Qwen3 only)
+        attention       c·hd·(2H + 2H_kv') (q, k after RoPE, v, output) + 4H (logsumexp);
+                        with a padding mask, H_kv' = H (the model repeats k/v for the masked
+                        fused kernels, which lack GQA) and + c·kv_len (the boolean mask turned
+                        into an additive bias [B, 1, S, S_kv], saved by the kernel); without a
+                        mask H_kv' = H_kv
+        SwiGLU          4·c·I (gate, up, silu(gate), their product)
+    (without q/k norm RoPE keeps nothing: its multiplications only save cos/sin.)
+    """
+    c, D, inter, hd = compute_bytes, args.dim, args.intermediate_size, args.head_dim
+    H, Hkv = args.n_heads, args.n_kv_heads
+    total = 2 * (4 * D + 4 + 2 * c * D)
+    if args.qk_norm:
+        total += (H + Hkv) * (4 * hd + 4 + c * hd)
+    # with a padding mask the fused masked kernels take no GQA: k/v are repeated to H heads
+    kv_heads = H if mask else Hkv
+    total += c * hd * (2 * H + 2 * kv_heads) + 4 * H
+    if mask:
+        total += c * kv_len
+    total += 4 * c * inter
+    return total
+
+
+@dataclass
+class ActivationBytes:
+    """Activation memory of one training forward+backward of one model on one micro-batch.
+
+    Fields:
+        saved:     bytes held for backward at the end of the forward
+        transient: the largest extra working memory in backward (a recomputed lm_head chunk, or a
+                   recomputed block under activation checkpointing, and the gradient of the
+                   hidden states)
+    """
+
+    saved: int
+    transient: int
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.transient
+
+
+def activation_bytes(
+    args: Any,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    response_len: int,
+    compute_bytes: int,
+    checkpointing: bool,
+    logits_chunk: int,
+    lm_head: bool = True,
+    mask: bool = True,
+) -> ActivationBytes:
+    """Activations of ``micro_batch`` sequences of ``seq_len`` tokens, ``response_len`` of which
+    are scored (actor: chunked logprobs over the vocabulary; critic: ``lm_head=False``, a scalar
+    head).
+
+        T = micro_batch · seq_len, R = micro_batch · response_len, c = compute bytes
+        per block              block_saved_bytes_per_token · T   (checkpointed: c·T·D, the input)
+        globals                8·T (token ids) + 2·c·T·hd (RoPE cos/sin) + final norm
+                               (4·T·D + 4·T + c·T·D) + the scored hidden rows c·R·D (actor)
+        lm_head chunk (bwd)    n · V · (c + 12), n = min(logits_chunk, R): the chunk's logits in
+                               c, their fp32 copy, scaled copy and gradient
+        hidden gradient (bwd)  4·T·D
+        recomputed block (AC)  one block's saved bytes, during its backward
+    """
+    for name, v in [("micro_batch", micro_batch), ("seq_len", seq_len)]:
+        if v < 1:
+            raise ValueError(f"{name} ({v}) must be >= 1")
+    if not 0 <= response_len <= seq_len:
+        raise ValueError(f"response_len ({response_len}) must be in [0, seq_len ({seq_len})]")
+    c, D = compute_bytes, args.dim
+    T, R = micro_batch * seq_len, micro_batch * response_len
+    block = block_saved_bytes_per_token(args, compute_bytes=c, kv_len=seq_len, mask=mask) * T
+    blocks = args.n_layers * (c * T * D if checkpointing else block)
+    globals_ = 8 * T + 2 * c * T * args.head_dim + (4 * T * D + 4 * T + c * T * D)
+    transient = 4 * T * D
+    if lm_head:
+        globals_ += c * R * D
+        transient += min(logits_chunk, max(R, 1)) * args.vocab_size * (c + 12)
+    else:
+        globals_ += c * T * D  # the value head's input
+    if checkpointing:
+        transient += block
+    return ActivationBytes(saved=blocks + globals_, transient=transient)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class PlanInputs:
+    """Everything the plan depends on (read from a run config by :func:`plan_from_config`).
+
+    Fields:
+        actor / critic:          ModelArgs (critic None for critic-free estimators)
+        reference:               a frozen reference model is kept (KL to the reference)
+        world_size:              ranks sharing the FSDP2 shards (GPUs of the node)
+        device:                  "cuda" or "cpu"
+        master_bytes:            bytes per element of the stored (sharded) parameters
+        compute_bytes:           bytes per element of activations / all-gathered parameters
+        micro_batch, seq_len, response_len: one training forward (sequences, tokens, scored)
+        activation_checkpointing, logits_chunk
+        actor_optimizer / critic_optimizer: (OptimizerSpec, minimal_size)
+        correction:              method name (ewma, keep_old_actor, tis, ...)
+        snapshot_storage:        "cpu" or "accelerator" (keep_old_actor)
+        snapshot_bytes:          bytes per element of a snapshot (None: master_bytes)
+        max_staleness, partial_rollout
+        engine_mem_fraction:     fraction of GPU memory the engine takes (GPU only)
+        gpu_mem_bytes:           memory of one GPU (None on CPU)
+    """
+
+    actor: Any
+    critic: Any | None
+    reference: bool
+    world_size: int
+    device: str
+    master_bytes: int
+    compute_bytes: int
+    micro_batch: int
+    seq_len: int
+    response_len: int
+    activation_checkpointing: bool
+    logits_chunk: int
+    actor_optimizer: tuple[OptimizerSpec, int]
+    critic_optimizer: tuple[OptimizerSpec, int]
+    correction: str
+    snapshot_storage: str = "cpu"
+    snapshot_bytes: int | None = None
+    max_staleness: int = 0
+    partial_rollout: bool = False
+    engine_mem_fraction: float | None = None
+    gpu_mem_bytes: int | None = None
+    mask: bool = True
+
+
+@dataclass
+class PlanItem:
+    """One line of the plan: bytes on the device (GPU; RAM on CPU runs) and in host memory."""
+
+    name: str
+    device: int = 0
+    host: int = 0
+    note: str = ""
+    at_peak: bool = True  # False: listed, but not alive at the same time as the larger twin
+
+
+@dataclass
+class MemoryPlan:
+    inputs: PlanInputs
+    items: list[PlanItem] = field(default_factory=list)
+
+    @property
+    def trainer_total(self) -> int:
+        """Trainer bytes at the peak (the backward of the larger model) in the memory the device
+        uses: GPU memory on CUDA runs; on CPU runs RAM, where host items live too."""
+        dev = sum(i.device for i in self.items if i.at_peak and not i.name.startswith("engine"))
+        return dev + (self.host_total if self.inputs.device == "cpu" else 0)
+
+    @property
+    def device_total(self) -> int:
+        return sum(i.device for i in self.items if i.at_peak)
+
+    @property
+    def host_total(self) -> int:
+        return sum(i.host for i in self.items)
+
+    @property
+    def fits(self) -> bool | None:
+        g = self.inputs.gpu_mem_bytes
+        return None if g is None else self.device_total <= g
+
+    def biggest(self, n: int = 3) -> list[PlanItem]:
+        items = [i for i in self.items if i.at_peak and not i.name.startswith(("engine", "CUDA"))]
+        return sorted(items, key=lambda i: -i.device)[:n]
+
+    def advice(self) -> list[str]:
+        """Switches that shrink the biggest items, with the bytes each would save on the device."""
+        x, out = self.inputs, []
+        for item in self.biggest(4):
+            name = item.name
+            if name.endswith("optimizer states") and not x.actor_optimizer[0].bits:
+                out.append(
+                    f"{name}: optimizer._component_=torchao.optim.AdamW8bit (~2 bytes/param "
+                    f"instead of {2 * x.master_bytes}) or torchao.optim.AdamW4bit (~1 byte/param)"
+                )
+            elif name.endswith("activations"):
+                if not x.activation_checkpointing:
+                    out.append(f"{name}: activation_checkpointing=true (keeps one input per block)")
+                if x.micro_batch > 1:
+                    out.append(f"{name}: a smaller micro-batch (now {x.micro_batch} sequences)")
+                if x.mask:
+                    out.append(
+                        f"{name}: the padding mask costs c·S² per sequence and block; shorter "
+                        "max sequence length reduces it quadratically"
+                    )
+            elif name.startswith("correction") and item.device:
+                if x.correction == "keep_old_actor":
+                    out.append(f"{name}: correction.storage=cpu (snapshots in host memory)")
+                else:
+                    out.append(
+                        f"{name}: correction ewma keeps an fp32 copy; keep_old_actor with "
+                        "storage=cpu moves the anchor weights to host memory"
+                    )
+            elif name.endswith(("gradients", "parameters")) and x.master_bytes > 2:
+                out.append(f"{name}: more ranks shard it further (now {x.world_size})")
+        if x.correction == "keep_old_actor" and x.snapshot_bytes not in (2,):
+            out.append("host: correction.storage_dtype=bf16 halves the old-actor snapshots")
+        if x.engine_mem_fraction:
+            out.append(
+                f"engine: engine.mem_fraction={x.engine_mem_fraction} reserves "
+                f"{_gib(int(x.engine_mem_fraction * (x.gpu_mem_bytes or 0)))} GiB; a smaller "
+                "fraction leaves more for training (less KV cache)"
+            )
+        return out
+
+    def table(self) -> str:
+        """The per-rank table, the verdict, the biggest items and the switches."""
+        x = self.inputs
+        where = "GPU" if x.device == "cuda" else "RAM"
+        lines = [
+            f"Per-rank memory plan ({x.world_size} rank(s), {x.device}; micro_batch "
+            f"{x.micro_batch} x seq_len {x.seq_len} ({x.response_len} scored); activation "
+            f"checkpointing {'on' if x.activation_checkpointing else 'off'})",
+            "",
+            f"{'item':<34}{where + ' GiB':>10}{'host GiB':>10}  note",
+        ]
+        for i in self.items:
+            dev = f"{_gib(i.device)}" + ("" if i.at_peak else "*")
+            lines.append(f"{i.name:<34}{dev:>10}{_gib(i.host):>10}  {i.note}")
+        lines.append("-" * 60)
+        lines.append(f"{'trainer total':<34}{_gib(self.trainer_total):>10}")
+        lines.append(f"{'total':<34}{_gib(self.device_total):>10}{_gib(self.host_total):>10}")
+        if any(not i.at_peak for i in self.items):
+            lines.append("* not alive at the peak (the larger activation set is counted)")
+        lines.append("")
+        if self.fits is not None:
+            gpu = x.gpu_mem_bytes or 0
+            verdict = "FITS" if self.fits else "DOES NOT FIT"
+            lines.append(
+                f"{verdict}: {_gib(self.device_total)} GiB of {_gib(gpu)} GiB per GPU "
+                f"({_gib(gpu - self.device_total)} GiB left)"
+            )
+        big = ", ".join(f"{i.name} ({_gib(i.device)} GiB)" for i in self.biggest(3))
+        lines.append(f"biggest: {big}")
+        adv = self.advice()
+        if adv:
+            lines.append("switches that shrink them:")
+            lines.extend(f"  - {a}" for a in adv)
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _model_items(
+    name: str,
+    args: Any,
+    x: PlanInputs,
+    spec: tuple[OptimizerSpec, int],
+    *,
+    value_head: bool,
+) -> tuple[list[PlanItem], ActivationBytes]:
+    W, m, c = x.world_size, x.master_bytes, x.compute_bytes
+    shapes = model_param_shapes(args, value_head=value_head)
+    local = _local(shapes, W)
+    P = sum(local)
+    opt: StateBytes = optimizer_state_bytes(
+        spec[0],
+        local,
+        param_bytes=m,
+        minimal_size=spec[1],
+        step_on_device=x.device == "cuda",
+    )
+    items = [
+        PlanItem(f"{name} parameters", P * m, note=f"{_numel(shapes) / 1e9:.3f}B params / {W}"),
+        PlanItem(f"{name} gradients", P * m),
+        PlanItem(
+            f"{name} optimizer states",
+            opt.device,
+            opt.host,
+            note=_opt_note(spec[0]),
+        ),
+    ]
+    if W > 1:
+        block = _numel(_block_shapes(args))
+        root = _numel(shapes) - args.n_layers * block
+        fsdp = (root + 2 * block) * c + root * (c + 4)
+        items.append(
+            PlanItem(
+                f"{name} FSDP working set",
+                fsdp,
+                note="unsharded root + 2 blocks, root grads",
+            )
+        )
+    act = activation_bytes(
+        args,
+        micro_batch=x.micro_batch,
+        seq_len=x.seq_len,
+        response_len=x.response_len,
+        compute_bytes=c,
+        checkpointing=x.activation_checkpointing,
+        logits_chunk=x.logits_chunk,
+        lm_head=not value_head,
+        mask=x.mask,
+    )
+    return items, act
+
+
+def _opt_note(spec: OptimizerSpec) -> str:
+    kind = {0: "fp m,v", 8: "8-bit m,v", 4: "4-bit m,v"}[spec.bits]
+    return kind + (", offloaded to host" if spec.offload else "")
+
+
+def plan_memory(x: PlanInputs) -> MemoryPlan:
+    """The per-rank memory plan of ``x`` (see the module docstring for every formula)."""
+    if x.world_size < 1:
+        raise ValueError(f"world_size ({x.world_size}) must be >= 1")
+    plan = MemoryPlan(inputs=x)
+    items, act = _model_items("actor", x.actor, x, x.actor_optimizer, value_head=False)
+    plan.items += items
+    acts = [("actor activations", act)]
+    without = None
+    if x.critic is not None:
+        items, cact = _model_items("critic", x.critic, x, x.critic_optimizer, value_head=True)
+        plan.items += items
+        acts.append(("critic activations", cact))
+    W = x.world_size
+    # the other configuration of activation checkpointing, for the table's note
+    alt = activation_bytes(
+        x.actor,
+        micro_batch=x.micro_batch,
+        seq_len=x.seq_len,
+        response_len=x.response_len,
+        compute_bytes=x.compute_bytes,
+        checkpointing=not x.activation_checkpointing,
+        logits_chunk=x.logits_chunk,
+        mask=x.mask,
+    )
+    without = f"{'without' if x.activation_checkpointing else 'with'} AC: {_gib(alt.total)} GiB"
+    largest = max(a.total for _, a in acts)
+    counted = False
+    for name, a in acts:
+        peak = a.total == largest and not counted
+        counted = counted or peak
+        note = f"saved {_gib(a.saved)} + transient {_gib(a.transient)}"
+        if name.startswith("actor"):
+            note += f"; {without}"
+        plan.items.append(PlanItem(name, a.total, note=note, at_peak=peak))
+    if x.reference:
+        P_ref = sum(_local(model_param_shapes(x.actor), W))
+        plan.items.append(
+            PlanItem("reference model", P_ref * x.compute_bytes, note="frozen, sharded")
+        )
+    plan.items.append(_correction_item(x))
+    if x.device == "cuda":
+        if x.engine_mem_fraction:
+            gpu = x.gpu_mem_bytes or 0
+            plan.items.append(
+                PlanItem(
+                    "engine (mem_fraction)",
+                    int(x.engine_mem_fraction * gpu),
+                    note=f"{x.engine_mem_fraction} x GPU: weights + KV cache",
+                )
+            )
+        plan.items.append(PlanItem("CUDA context + slack", CUDA_CONTEXT_BYTES, note="assumed"))
+    return plan
+
+
+def _correction_item(x: PlanInputs) -> PlanItem:
+    P = sum(_local(model_param_shapes(x.actor), x.world_size))
+    m = x.master_bytes
+    method = x.correction
+    if method == "ewma":
+        return PlanItem(
+            "correction (ewma)", P * 4 + P * m, note="fp32 θ̄ shard + swap buffer, on device"
+        )
+    if method == "keep_old_actor":
+        versions = x.max_staleness + 1 + (1 if x.partial_rollout else 0)
+        per = P * (x.snapshot_bytes or m)
+        total = versions * per + P * m
+        note = f"{versions} live versions x {_gib(per)} GiB + swap buffer"
+        if x.snapshot_storage == "cpu":
+            return PlanItem("correction (keep_old_actor)", 0, total, note=note + ", host")
+        return PlanItem("correction (keep_old_actor)", total, 0, note=note + ", device")
+    return PlanItem(f"correction ({method})", 0, note="no stored weights")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a run config
+
+
+_REQUIRED = object()
+
+
+def _get(cfg: DictConfig, keys: Sequence[str], default: Any = _REQUIRED, *, what: str) -> Any:
+    for k in keys:
+        v = OmegaConf.select(cfg, k, default=_REQUIRED)
+        if v is not _REQUIRED and v is not None:
+            return v
+    if default is _REQUIRED:
+        raise ConfigError(
+            f"memory plan: the config has no {what} (looked for {', '.join(keys)}); add one of "
+            f"these keys, e.g. +{keys[0]}=..."
+        )
+    return default
+
+
+def _dtype_bytes(value: Any, key: str) -> int:
+    name = str(value).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"memory plan: {key}={value!r} is not one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def _model_args(node: Any, key: str) -> Any:
+    """ModelArgs from a model config node: a zero-argument builder ``_component_`` returning
+    ModelArgs (minippo.models.qwen3_4b), or an HF folder (``path``/``checkpoint_dir``) whose
+    config.json is read (no weights are loaded)."""
+    from minippo.models import ModelArgs, model_args_from_hf_config
+
+    if isinstance(node, str):
+        node = OmegaConf.create({"path": node})
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"memory plan: {key} must be a mapping, got {node!r}")
+    for k in ("path", "checkpoint_dir", "pretrained", "model_path"):
+        path = node.get(k)
+        if path:
+            cfg_file = Path(str(path)) / "config.json"
+            if not cfg_file.is_file():
+                raise ConfigError(
+                    f"memory plan: {key}.{k}={path!r} has no config.json; download the model or "
+                    f"point {key} at a builder such as minippo.models.qwen3_4b"
+                )
+            return model_args_from_hf_config(json.loads(cfg_file.read_text()))
+    for k in ("args", "model_args", "builder"):
+        sub = node.get(k)
+        if isinstance(sub, DictConfig) and "_component_" in sub:
+            return _model_args(sub, f"{key}.{k}")
+    comp = node.get("_component_")
+    if comp:
+        target = locate(comp, f"{key}._component_")
+        kwargs = {k: v for k, v in node.items() if k != "_component_" and not _is_runtime(k)}
+        try:
+            out = target(**kwargs)
+        except TypeError:
+            out = None
+        if isinstance(out, ModelArgs):
+            return out
+    raise ConfigError(
+        f"memory plan: cannot get the model shape from {key} ({OmegaConf.to_container(node)}); "
+        "give a builder (_component_: minippo.models.qwen3_4b) or an HF folder with config.json"
+    )
+
+
+def _is_runtime(key: str) -> bool:
+    return key in ("dtype", "device", "param_dtype")
+
+
+def plan_from_config(cfg: DictConfig, *, gpu_mem_gib: float | None = None) -> MemoryPlan:
+    """Build :class:`PlanInputs` from a run config and plan it.
+
+    Keys read (the first one present wins; missing required keys raise ConfigError naming them):
+    see ``CONFIG_KEYS`` in this module and docs/memory.md.
+    """
+    g = _get
+    actor = _model_args(g(cfg, CONFIG_KEYS["actor"], what="actor model"), "model")
+    estimator = str(g(cfg, CONFIG_KEYS["estimator"], "gae", what="advantage estimator"))
+    critic_node = g(cfg, CONFIG_KEYS["critic"], None, what="critic model")
+    critic = None
+    if estimator == "gae":
+        critic = _model_args(critic_node, "critic") if critic_node is not None else actor
+    kl = float(g(cfg, CONFIG_KEYS["kl"], 0.0, what="KL coefficient"))
+    device = str(g(cfg, CONFIG_KEYS["device"], "cpu", what="device"))
+    device = "cuda" if device.startswith("cuda") else "cpu"
+    world = int(g(cfg, CONFIG_KEYS["world_size"], 1, what="number of ranks"))
+    master = _dtype_bytes(g(cfg, CONFIG_KEYS["master_dtype"], "float32", what="dtype"), "dtype")
+    compute = _dtype_bytes(
+        g(
+            cfg,
+            CONFIG_KEYS["compute_dtype"],
+            "float32" if device == "cpu" else "bfloat16",
+            what="compute dtype",
+        ),
+        "param_dtype",
+    )
+    prompt = int(g(cfg, CONFIG_KEYS["prompt_len"], what="maximum prompt length"))
+    response = int(g(cfg, CONFIG_KEYS["response_len"], what="maximum response length"))
+    micro = int(g(cfg, CONFIG_KEYS["micro_batch"], what="micro-batch size"))
+    opt_node = g(cfg, CONFIG_KEYS["optimizer"], what="optimizer")
+    critic_opt_node = g(cfg, CONFIG_KEYS["critic_optimizer"], opt_node, what="critic optimizer")
+    corr = g(cfg, CONFIG_KEYS["correction"], None, what="correction")
+    method, storage, sdtype = "none", "cpu", None
+    if corr is not None:
+        comp = str(corr.get("_component_", ""))
+        from minippo.rl.correction import correction_class
+
+        method = correction_class(comp).method if comp else "none"
+        storage = str(corr.get("storage", "cpu"))
+        if corr.get("storage_dtype") is not None:
+            sdtype = _dtype_bytes(corr.get("storage_dtype"), "correction.storage_dtype")
+    gpu = None
+    if device == "cuda":
+        gib = gpu_mem_gib if gpu_mem_gib is not None else 80.0
+        gpu = int(gib * GiB)
+    mem_fraction = g(cfg, CONFIG_KEYS["engine_mem_fraction"], None, what="engine memory fraction")
+    x = PlanInputs(
+        actor=actor,
+        critic=critic,
+        reference=kl > 0,
+        world_size=world,
+        device=device,
+        master_bytes=master,
+        compute_bytes=compute,
+        micro_batch=micro,
+        seq_len=prompt + response,
+        response_len=response,
+        activation_checkpointing=bool(
+            g(cfg, CONFIG_KEYS["activation_checkpointing"], False, what="activation_checkpointing")
+        ),
+        logits_chunk=int(g(cfg, CONFIG_KEYS["logits_chunk"], 1024, what="logits chunk size")),
+        actor_optimizer=optimizer_spec(opt_node),
+        critic_optimizer=optimizer_spec(critic_opt_node),
+        correction=method,
+        snapshot_storage=storage,
+        snapshot_bytes=sdtype,
+        max_staleness=int(g(cfg, CONFIG_KEYS["max_staleness"], 0, what="max_staleness")),
+        partial_rollout=bool(g(cfg, CONFIG_KEYS["partial_rollout"], False, what="partial_rollout")),
+        engine_mem_fraction=None if mem_fraction is None else float(mem_fraction),
+        gpu_mem_bytes=gpu,
+    )
+    return plan_memory(x)
+
+
+# The config keys the planner reads, in order of preference.
+CONFIG_KEYS: dict[str, list[str]] = {
+    "actor": ["model", "actor", "actor.model"],
+    "critic": ["critic", "critic.model"],
+    "estimator": ["advantage_estimator", "ppo.advantage_estimator"],
+    "kl": ["kl.coef", "kl_coef", "ppo.kl_coef", "loss.kl_coef"],
+    "device": ["device"],
+    "world_size": ["nproc_per_node", "world_size", "parallel.world_size"],
+    "master_dtype": ["dtype", "model_dtype", "training.dtype"],
+    "compute_dtype": ["param_dtype", "compute_dtype", "mixed_precision.param_dtype"],
+    "prompt_len": ["data.max_prompt_len", "max_prompt_len", "rollout.max_prompt_len"],
+    "response_len": [
+        "rollout.max_new_tokens",
+        "sampling.max_new_tokens",
+        "max_response_len",
+        "rollout.max_response_len",
+    ],
+    "micro_batch": ["ppo.micro_batch_size", "micro_batch_size", "ppo.micro_batch"],
+    "optimizer": ["optimizer", "actor_optimizer"],
+    "critic_optimizer": ["critic_optimizer"],
+    "correction": ["correction"],
+    "activation_checkpointing": ["activation_checkpointing"],
+    "logits_chunk": ["logprob_chunk_size", "chunk_size", "ppo.logprob_chunk_size"],
+    "max_staleness": ["rollout.max_staleness"],
+    "partial_rollout": ["rollout.partial_rollout"],
+    "engine_mem_fraction": ["engine.mem_fraction", "engine.mem_fraction_static"],
+}

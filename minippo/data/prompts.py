@@ -75,11 +75,16 @@ class PromptStream:
     generator seeded with ``seed + e`` (or in dataset order when ``shuffle`` is False). Two
     iterations over the same stream give the same sequence.
 
+    Data parallel: with ``world_size`` W the global sequence is dealt out round-robin, rank r
+    yields items r, r + W, r + 2W, ... of it, so W ranks that each take G/W prompts per step
+    together consume the same G prompts per step as a single process taking G.
+
     Args:
         dataset: the examples.
         seed: base seed of the shuffles.
         shuffle: shuffle each epoch.
         max_epochs: stop after this many epochs (None: never stop).
+        rank / world_size: this rank's share of the global sequence.
     """
 
     def __init__(
@@ -89,9 +94,15 @@ class PromptStream:
         seed: int = 0,
         shuffle: bool = True,
         max_epochs: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if max_epochs is not None and max_epochs < 1:
             raise ValueError(f"max_epochs must be >= 1 or None, got {max_epochs}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank ({rank}) < world_size ({world_size})")
+        self.rank = rank
+        self.world_size = world_size
         self.dataset = dataset
         self.seed = int(seed)
         self.shuffle = shuffle
@@ -107,6 +118,6 @@ class PromptStream:
 
     def __iter__(self) -> Iterator[PromptExample]:
         epochs = itertools.count() if self.max_epochs is None else range(self.max_epochs)
-        for epoch in epochs:
-            for i in self.epoch_order(epoch):
-                yield self.dataset[i]
+        every = (i for epoch in epochs for i in self.epoch_order(epoch))
+        for i in itertools.islice(every, self.rank, None, self.world_size):
+            yield self.dataset[i]

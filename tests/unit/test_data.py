@@ -62,6 +62,12 @@ def test_prompt_stream_is_seeded_reiterable_and_covers_epochs():
     assert [e.index for e in PromptStream(ds, shuffle=False, max_epochs=1)] == list(range(10))
     other = [e.index for e in itertools.islice(PromptStream(ds, seed=8), 10)]
     assert other != first[:10]
+    # two ranks deal out the single-process sequence round-robin
+    r0 = [e.index for e in itertools.islice(PromptStream(ds, seed=7, rank=0, world_size=2), 12)]
+    r1 = [e.index for e in itertools.islice(PromptStream(ds, seed=7, rank=1, world_size=2), 12)]
+    assert r0 == first[0:24:2] and r1 == first[1:25:2]
+    with pytest.raises(ValueError, match="rank"):
+        PromptStream(ds, rank=2, world_size=2)
 
 
 def test_prompt_dataset_validation():

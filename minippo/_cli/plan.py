@@ -9,7 +9,7 @@ from minippo.config import ConfigError, check_no_flags, load_config
 
 DEFAULT_GPU_MEM_GIB = 80.0
 # key=value arguments that are not config keys but inputs of the plan
-PLAN_KEYS = ("gpu_mem_gib", "nproc_per_node")
+PLAN_KEYS = ("gpu_mem_gib", "nproc_per_node", "device")
 
 DESCRIPTION = textwrap.dedent(
     """\
@@ -20,8 +20,9 @@ DESCRIPTION = textwrap.dedent(
     per GPU, the biggest items and the switches that would shrink them. Nothing is allocated: the
     model is built on the meta device. See docs/memory.md for every formula.
 
-    gpu_mem_gib=N and nproc_per_node=N are plan inputs given like overrides (defaults: 80 GiB; the
-    config's nproc_per_node or 1); every other key=value overrides the config.
+    gpu_mem_gib=N, nproc_per_node=N and device=cuda|cpu are plan inputs given like overrides
+    (defaults: 80 GiB; the config's nproc_per_node key or 1 rank; the config's device key, else
+    cuda for an SGLang engine and cpu otherwise); every other key=value overrides the config.
     """
 )
 
@@ -36,7 +37,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
             """\
             examples:
               minippo plan --config tiny_cpu
-              minippo plan --config qwen3_4b_dapo_math_8gpu gpu_mem_gib=141
+              minippo plan --config qwen3_4b_dapo_math_8gpu gpu_mem_gib=141 nproc_per_node=8
               minippo plan --config qwen3_4b_dapo_math_8gpu activation_checkpointing=false
             """
         ),
@@ -44,7 +45,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     )
     p.add_argument("--config", required=True, help="built-in config name or path to a YAML")
     p.add_argument(
-        "overrides", nargs="*", help="key=value / ~key overrides, gpu_mem_gib=N, nproc_per_node=N"
+        "overrides",
+        nargs="*",
+        help="key=value / ~key overrides; gpu_mem_gib=N, nproc_per_node=N, device=cuda|cpu",
     )
     p.set_defaults(func=run_plan)
     return p
@@ -58,19 +61,28 @@ def run_plan(args: argparse.Namespace) -> int:
     overrides, extra = _split_plan_keys(list(args.overrides))
     check_no_flags(overrides)
     cfg = load_config(args.config, overrides)
-    if "nproc_per_node" in extra:
-        cfg.nproc_per_node = int(extra["nproc_per_node"])
+    if "device" in extra:
+        cfg.device = extra["device"]
+    nproc = extra.get("nproc_per_node")
     gpu = extra.get("gpu_mem_gib")
-    plan = plan_from_config(cfg, gpu_mem_gib=DEFAULT_GPU_MEM_GIB if gpu is None else gpu)
+    plan = plan_from_config(
+        cfg,
+        gpu_mem_gib=DEFAULT_GPU_MEM_GIB if gpu is None else gpu,
+        world_size=None if nproc is None else int(nproc),
+    )
     print(plan.table())
     return 0 if plan.fits in (True, None) else 1
 
 
-def _split_plan_keys(items: list[str]) -> tuple[list[str], dict[str, float]]:
+def _split_plan_keys(items: list[str]) -> tuple[list[str], dict[str, object]]:
     overrides, extra = [], {}
     for item in items:
         key, sep, value = item.partition("=")
-        if sep and key.lstrip("+") in PLAN_KEYS:
+        if sep and key.lstrip("+") == "device":
+            if value not in ("cuda", "cpu"):
+                raise ConfigError(f"device={value!r} must be cuda or cpu")
+            extra["device"] = value
+        elif sep and key.lstrip("+") in PLAN_KEYS:
             try:
                 extra[key.lstrip("+")] = float(value)
             except ValueError as e:

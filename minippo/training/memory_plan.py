@@ -17,7 +17,7 @@ bytes; T = micro_batch · seq_len tokens, R = micro_batch · response_len scored
                           ``block_saved_bytes_per_token``); with activation checkpointing only each
                           block's input c·T·D is kept and one block is recomputed at a time;
                           plus the lm_head chunk recomputed in backward (chunked logprobs)
-    reference model       P_ref · c (frozen, sharded, no gradients or optimizer)
+    reference model       P · m (frozen, sharded like the actor, no gradients or optimizer)
     critic                the same four items for the value model
     correction            ewma: P · 4 (fp32 θ̄) + P · m (swap buffer), on the device;
                           keep_old_actor: live versions · P · storage bytes (+ P · m swap buffer)
@@ -69,10 +69,12 @@ __all__ = [
     "block_saved_bytes_per_token",
     "model_param_shapes",
     "plan_from_config",
+    "plan_inputs_from_config",
     "plan_memory",
 ]
 
 GiB = 1 << 30
+DEFAULT_LOGITS_CHUNK = 1024  # minippo.models.logprobs.DEFAULT_CHUNK_SIZE, what the recipe uses
 CUDA_CONTEXT_BYTES = 1 * GiB
 DTYPE_BYTES = {
     "float32": 4,
@@ -267,6 +269,7 @@ def activation_bytes(
     logits_chunk: int,
     lm_head: bool = True,
     mask: bool = True,
+    entropy: bool = True,
 ) -> ActivationBytes:
     """Activations of ``micro_batch`` sequences of ``seq_len`` tokens, ``response_len`` of which
     are scored (actor: chunked logprobs over the vocabulary; critic: ``lm_head=False``, a scalar
@@ -276,8 +279,9 @@ def activation_bytes(
         per block              block_saved_bytes_per_token · T   (checkpointed: c·T·D, the input)
         globals                8·T (token ids) + 2·c·T·hd (RoPE cos/sin) + final norm
                                (4·T·D + 4·T + c·T·D) + the scored hidden rows c·R·D (actor)
-        lm_head chunk (bwd)    n · V · (c + 12), n = min(logits_chunk, R): the chunk's logits in
-                               c, their fp32 copy, scaled copy and gradient
+        lm_head chunk (bwd)    n · V · 16 bytes (20 with the entropy, which the recipe's training
+                               forward computes), n = min(logits_chunk, R): the chunk's logits, their
+                               fp32 copy, scaled copy, softmax and gradients (measured on CPU)
         hidden gradient (bwd)  4·T·D
         recomputed block (AC)  one block's saved bytes, during its backward
     """
@@ -294,7 +298,7 @@ def activation_bytes(
     transient = 4 * T * D
     if lm_head:
         globals_ += c * R * D
-        transient += min(logits_chunk, max(R, 1)) * args.vocab_size * (c + 12)
+        transient += min(logits_chunk, max(R, 1)) * args.vocab_size * (20 if entropy else 16)
     else:
         globals_ += c * T * D  # the value head's input
     if checkpointing:
@@ -325,6 +329,10 @@ class PlanInputs:
         snapshot_bytes:          bytes per element of a snapshot (None: master_bytes)
         max_staleness, partial_rollout
         engine_mem_fraction:     fraction of GPU memory the engine takes (GPU only)
+        engine_sleeps:           SGLang memory_mode "sleep": the engine releases its memory while
+                                 the trainer trains (not counted at the peak)
+        engine_weights_host_copy: sleep mode with weights_cpu_backup: a bf16 host copy of the
+                                 full weights
         gpu_mem_bytes:           memory of one GPU (None on CPU)
     """
 
@@ -348,6 +356,8 @@ class PlanInputs:
     max_staleness: int = 0
     partial_rollout: bool = False
     engine_mem_fraction: float | None = None
+    engine_sleeps: bool = False
+    engine_weights_host_copy: bool = False
     gpu_mem_bytes: int | None = None
     mask: bool = True
 
@@ -424,11 +434,12 @@ class MemoryPlan:
                 out.append(f"{name}: more ranks shard it further (now {x.world_size})")
         if x.correction == "keep_old_actor" and x.snapshot_bytes not in (2,):
             out.append("host: correction.storage_dtype=bf16 halves the old-actor snapshots")
-        if x.engine_mem_fraction:
+        if x.engine_mem_fraction and not x.engine_sleeps:
             out.append(
                 f"engine: engine.mem_fraction={x.engine_mem_fraction} reserves "
                 f"{_gib(int(x.engine_mem_fraction * (x.gpu_mem_bytes or 0)))} GiB; a smaller "
-                "fraction leaves more for training (less KV cache)"
+                "fraction leaves more for training (less KV cache), or engine.memory_mode=sleep "
+                "releases it while training (no overlap of generation and training)"
             )
         return out
 
@@ -436,30 +447,38 @@ class MemoryPlan:
         """The per-rank table, the verdict, the biggest items and the switches."""
         x = self.inputs
         where = "GPU" if x.device == "cuda" else "RAM"
+        # GiB for real runs; MiB when everything is small (the tiny CPU job)
+        unit, div = (
+            ("GiB", GiB) if max(self.device_total, self.host_total) >= GiB else ("MiB", 2**20)
+        )
+
+        def fmt(n: int) -> str:
+            return f"{n / div:.2f}"
+
         lines = [
             f"Per-rank memory plan ({x.world_size} rank(s), {x.device}; micro_batch "
-            f"{x.micro_batch} x seq_len {x.seq_len} ({x.response_len} scored); activation "
+            f"{x.micro_batch} x seq_len {x.seq_len} ({x.response_len} response); activation "
             f"checkpointing {'on' if x.activation_checkpointing else 'off'})",
             "",
-            f"{'item':<34}{where + ' GiB':>10}{'host GiB':>10}  note",
+            f"{'item':<30}{where + ' ' + unit:>10}{'host ' + unit:>10}  note",
         ]
         for i in self.items:
-            dev = f"{_gib(i.device)}" + ("" if i.at_peak else "*")
-            lines.append(f"{i.name:<34}{dev:>10}{_gib(i.host):>10}  {i.note}")
+            dev = fmt(i.device) + ("" if i.at_peak else "*")
+            lines.append(f"{i.name:<30}{dev:>10}{fmt(i.host):>10}  {i.note}")
         lines.append("-" * 60)
-        lines.append(f"{'trainer total':<34}{_gib(self.trainer_total):>10}")
-        lines.append(f"{'total':<34}{_gib(self.device_total):>10}{_gib(self.host_total):>10}")
+        lines.append(f"{'trainer total':<30}{fmt(self.trainer_total):>10}")
+        lines.append(f"{'total':<30}{fmt(self.device_total):>10}{fmt(self.host_total):>10}")
         if any(not i.at_peak for i in self.items):
-            lines.append("* not alive at the peak (the larger activation set is counted)")
+            lines.append("* not alive at the peak (not counted in the totals)")
         lines.append("")
         if self.fits is not None:
             gpu = x.gpu_mem_bytes or 0
             verdict = "FITS" if self.fits else "DOES NOT FIT"
             lines.append(
-                f"{verdict}: {_gib(self.device_total)} GiB of {_gib(gpu)} GiB per GPU "
-                f"({_gib(gpu - self.device_total)} GiB left)"
+                f"{verdict}: {fmt(self.device_total)} {unit} of {fmt(gpu)} {unit} per GPU "
+                f"({fmt(gpu - self.device_total)} {unit} left)"
             )
-        big = ", ".join(f"{i.name} ({_gib(i.device)} GiB)" for i in self.biggest(3))
+        big = ", ".join(f"{i.name} ({fmt(i.device)} {unit})" for i in self.biggest(3))
         lines.append(f"biggest: {big}")
         adv = self.advice()
         if adv:
@@ -562,24 +581,28 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
     for name, a in acts:
         peak = a.total == largest and not counted
         counted = counted or peak
-        note = f"saved {_gib(a.saved)} + transient {_gib(a.transient)}"
+        note = f"saved {_gib(a.saved)} + backward transient {_gib(a.transient)} GiB"
         if name.startswith("actor"):
             note += f"; {without}"
         plan.items.append(PlanItem(name, a.total, note=note, at_peak=peak))
     if x.reference:
         P_ref = sum(_local(model_param_shapes(x.actor), W))
         plan.items.append(
-            PlanItem("reference model", P_ref * x.compute_bytes, note="frozen, sharded")
+            PlanItem("reference model", P_ref * x.master_bytes, note="frozen, sharded")
         )
     plan.items.append(_correction_item(x))
     if x.device == "cuda":
         if x.engine_mem_fraction:
             gpu = x.gpu_mem_bytes or 0
+            host = _numel(model_param_shapes(x.actor)) * 2 if x.engine_weights_host_copy else 0
+            mode = "released while training (sleep)" if x.engine_sleeps else "overlap"
             plan.items.append(
                 PlanItem(
                     "engine (mem_fraction)",
                     int(x.engine_mem_fraction * gpu),
-                    note=f"{x.engine_mem_fraction} x GPU: weights + KV cache",
+                    host,
+                    note=f"{x.engine_mem_fraction} x GPU: weights + KV cache; {mode}",
+                    at_peak=not x.engine_sleeps,
                 )
             )
         plan.items.append(PlanItem("CUDA context + slack", CUDA_CONTEXT_BYTES, note="assumed"))
@@ -609,18 +632,48 @@ def _correction_item(x: PlanInputs) -> PlanItem:
 # Reading a run config
 
 
+# The config keys the planner reads (the first one present wins). The recipe's config
+# (configs/*.yaml) names them; plan inputs that are not config keys (nproc_per_node, device,
+# gpu_mem_gib) come from the command line.
+CONFIG_KEYS: dict[str, list[str]] = {
+    "actor": ["model"],
+    "actor_path": ["checkpoint_path"],
+    "critic_path": ["critic.checkpoint_path"],
+    "estimator": ["advantage_estimator"],
+    "kl": ["kl.coef"],
+    "device": ["device"],
+    "world_size": ["nproc_per_node"],
+    "dtype": ["dtype"],
+    "prompt_len": ["max_prompt_len", "dataset.max_prompt_tokens"],
+    "response_len": ["rollout.max_new_tokens"],
+    "micro_batch": ["ppo.micro_batch_size"],
+    "optimizer": ["optimizer"],
+    "critic_optimizer": ["critic.optimizer"],
+    "correction": ["correction"],
+    "activation_checkpointing": ["activation_checkpointing"],
+    "logits_chunk": ["logprob_chunk_size"],
+    "max_staleness": ["rollout.max_staleness"],
+    "partial_rollout": ["rollout.partial_rollout"],
+    "engine": ["engine._component_"],
+    "engine_mem_fraction": ["engine.mem_fraction_static", "engine.mem_fraction"],
+    "engine_memory_mode": ["engine.memory_mode"],
+    "engine_weights_backup": ["engine.weights_cpu_backup"],
+}
+TOY_DATASETS = "minippo.data.tasks."
+
 _REQUIRED = object()
 
 
-def _get(cfg: DictConfig, keys: Sequence[str], default: Any = _REQUIRED, *, what: str) -> Any:
+def _get(cfg: DictConfig, name: str, default: Any = _REQUIRED, *, what: str) -> Any:
+    keys = CONFIG_KEYS[name]
     for k in keys:
         v = OmegaConf.select(cfg, k, default=_REQUIRED)
         if v is not _REQUIRED and v is not None:
             return v
     if default is _REQUIRED:
         raise ConfigError(
-            f"memory plan: the config has no {what} (looked for {', '.join(keys)}); add one of "
-            f"these keys, e.g. +{keys[0]}=..."
+            f"memory plan: the config has no {what} (looked for {', '.join(keys)}); add it, "
+            f"e.g. minippo plan --config ... +{keys[0]}=..."
         )
     return default
 
@@ -632,149 +685,138 @@ def _dtype_bytes(value: Any, key: str) -> int:
     return DTYPE_BYTES[name]
 
 
-def _model_args(node: Any, key: str) -> Any:
-    """ModelArgs from a model config node: a zero-argument builder ``_component_`` returning
-    ModelArgs (minippo.models.qwen3_4b), or an HF folder (``path``/``checkpoint_dir``) whose
-    config.json is read (no weights are loaded)."""
-    from minippo.models import ModelArgs, model_args_from_hf_config
+def _args_from_hf_folder(path: Any, key: str) -> Any:
+    from minippo.models import model_args_from_hf_config
 
-    if isinstance(node, str):
-        node = OmegaConf.create({"path": node})
-    if not isinstance(node, DictConfig):
-        raise ConfigError(f"memory plan: {key} must be a mapping, got {node!r}")
-    for k in ("path", "checkpoint_dir", "pretrained", "model_path"):
-        path = node.get(k)
-        if path:
-            cfg_file = Path(str(path)) / "config.json"
-            if not cfg_file.is_file():
-                raise ConfigError(
-                    f"memory plan: {key}.{k}={path!r} has no config.json; download the model or "
-                    f"point {key} at a builder such as minippo.models.qwen3_4b"
-                )
-            return model_args_from_hf_config(json.loads(cfg_file.read_text()))
-    for k in ("args", "model_args", "builder"):
-        sub = node.get(k)
-        if isinstance(sub, DictConfig) and "_component_" in sub:
-            return _model_args(sub, f"{key}.{k}")
-    comp = node.get("_component_")
-    if comp:
-        target = locate(comp, f"{key}._component_")
-        kwargs = {k: v for k, v in node.items() if k != "_component_" and not _is_runtime(k)}
-        try:
-            out = target(**kwargs)
-        except TypeError:
-            out = None
-        if isinstance(out, ModelArgs):
-            return out
+    cfg_file = Path(str(path)) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(
+            f"memory plan: {key}={path!r} has no config.json (only config.json is read, no "
+            f"weights); download the model there, or set {key}=null to plan the model builder"
+        )
+    return model_args_from_hf_config(json.loads(cfg_file.read_text()))
+
+
+def _args_from_builder(node: Any, key: str) -> Any:
+    """ModelArgs from a zero-argument size builder node (``_component_: minippo.models.qwen3_4b``,
+    keyword overrides allowed)."""
+    from minippo.models import ModelArgs
+
+    if not isinstance(node, DictConfig) or "_component_" not in node:
+        raise ConfigError(
+            f"memory plan: cannot get the model shape from {key}={node!r}; give a size builder "
+            "(_component_: minippo.models.qwen3_4b) or checkpoint_path (an HF folder)"
+        )
+    target = locate(node["_component_"], f"{key}._component_")
+    kwargs = {k: v for k, v in node.items() if k != "_component_"}
+    try:
+        out = target(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"memory plan: {key}: calling {node['_component_']} failed: {e}") from e
+    if not isinstance(out, ModelArgs):
+        raise ConfigError(
+            f"memory plan: {key}._component_={node['_component_']} returned "
+            f"{type(out).__name__}, not ModelArgs; cannot get the model shape; use a size builder "
+            "such as minippo.models.qwen3_4b"
+        )
+    return out
+
+
+def _prompt_len(cfg: DictConfig) -> int:
+    """The padded prompt length: ``max_prompt_len`` / ``dataset.max_prompt_tokens``, or, for the
+    built-in toy tasks (cheap to build), the longest prompt of the dataset itself."""
+    value = _get(cfg, "prompt_len", None, what="maximum prompt length")
+    if value is not None:
+        return int(value)
+    comp = str(OmegaConf.select(cfg, "dataset._component_", default="") or "")
+    if comp.startswith(TOY_DATASETS) and "tokenizer" in cfg:
+        from minippo.config import instantiate
+
+        dataset = instantiate(cfg.dataset, tokenizer=instantiate(cfg.tokenizer))
+        return int(dataset.max_prompt_len())
+    keys = CONFIG_KEYS["prompt_len"]
     raise ConfigError(
-        f"memory plan: cannot get the model shape from {key} ({OmegaConf.to_container(node)}); "
-        "give a builder (_component_: minippo.models.qwen3_4b) or an HF folder with config.json"
+        f"memory plan: the config has no maximum prompt length (looked for {', '.join(keys)}); "
+        "set dataset.max_prompt_tokens (the loader drops longer prompts) or pass +max_prompt_len=N"
     )
 
 
-def _is_runtime(key: str) -> bool:
-    return key in ("dtype", "device", "param_dtype")
+def plan_inputs_from_config(
+    cfg: DictConfig, *, gpu_mem_gib: float | None = None, world_size: int | None = None
+) -> PlanInputs:
+    """:class:`PlanInputs` of a run config (the keys in ``CONFIG_KEYS``; see docs/memory.md).
 
-
-def plan_from_config(cfg: DictConfig, *, gpu_mem_gib: float | None = None) -> MemoryPlan:
-    """Build :class:`PlanInputs` from a run config and plan it.
-
-    Keys read (the first one present wins; missing required keys raise ConfigError naming them):
-    see ``CONFIG_KEYS`` in this module and docs/memory.md.
+    The recipe keeps fp32 master weights when it shards (FSDP2 with ``param_dtype=dtype``), and
+    casts the whole model to ``dtype`` in a single process; the plan follows it. ``device``:
+    the ``device`` key, else cuda when the engine is SGLang, else cpu.
     """
-    g = _get
-    actor = _model_args(g(cfg, CONFIG_KEYS["actor"], what="actor model"), "model")
-    estimator = str(g(cfg, CONFIG_KEYS["estimator"], "gae", what="advantage estimator"))
-    critic_node = g(cfg, CONFIG_KEYS["critic"], None, what="critic model")
+    path = _get(cfg, "actor_path", None, what="actor checkpoint path")
+    if path:
+        actor = _args_from_hf_folder(path, "checkpoint_path")
+    else:
+        actor = _args_from_builder(_get(cfg, "actor", what="model builder"), "model")
+    estimator = str(_get(cfg, "estimator", "gae", what="advantage estimator"))
     critic = None
     if estimator == "gae":
-        critic = _model_args(critic_node, "critic") if critic_node is not None else actor
-    kl = float(g(cfg, CONFIG_KEYS["kl"], 0.0, what="KL coefficient"))
-    device = str(g(cfg, CONFIG_KEYS["device"], "cpu", what="device"))
+        cpath = _get(cfg, "critic_path", None, what="critic checkpoint path")
+        critic = _args_from_hf_folder(cpath, "critic.checkpoint_path") if cpath else actor
+    engine = str(_get(cfg, "engine", "", what="engine"))
+    device = str(_get(cfg, "device", "cuda" if "sglang" in engine.lower() else "cpu", what="dev"))
     device = "cuda" if device.startswith("cuda") else "cpu"
-    world = int(g(cfg, CONFIG_KEYS["world_size"], 1, what="number of ranks"))
-    master = _dtype_bytes(g(cfg, CONFIG_KEYS["master_dtype"], "float32", what="dtype"), "dtype")
-    compute = _dtype_bytes(
-        g(
-            cfg,
-            CONFIG_KEYS["compute_dtype"],
-            "float32" if device == "cpu" else "bfloat16",
-            what="compute dtype",
-        ),
-        "param_dtype",
-    )
-    prompt = int(g(cfg, CONFIG_KEYS["prompt_len"], what="maximum prompt length"))
-    response = int(g(cfg, CONFIG_KEYS["response_len"], what="maximum response length"))
-    micro = int(g(cfg, CONFIG_KEYS["micro_batch"], what="micro-batch size"))
-    opt_node = g(cfg, CONFIG_KEYS["optimizer"], what="optimizer")
-    critic_opt_node = g(cfg, CONFIG_KEYS["critic_optimizer"], opt_node, what="critic optimizer")
-    corr = g(cfg, CONFIG_KEYS["correction"], None, what="correction")
-    method, storage, sdtype = "none", "cpu", None
+    if world_size is None:
+        world_size = int(_get(cfg, "world_size", 1, what="number of ranks"))
+    compute = _dtype_bytes(_get(cfg, "dtype", "fp32", what="dtype"), "dtype")
+    master = 4 if world_size > 1 else compute
+    response = int(_get(cfg, "response_len", what="maximum response length"))
+    opt = _get(cfg, "optimizer", what="optimizer")
+    critic_opt = _get(cfg, "critic_optimizer", opt, what="critic optimizer")
+    method, storage, sbytes = "none", "cpu", None
+    corr = _get(cfg, "correction", None, what="correction")
     if corr is not None:
-        comp = str(corr.get("_component_", ""))
         from minippo.rl.correction import correction_class
 
+        comp = str(corr.get("_component_", ""))
         method = correction_class(comp).method if comp else "none"
         storage = str(corr.get("storage", "cpu"))
         if corr.get("storage_dtype") is not None:
-            sdtype = _dtype_bytes(corr.get("storage_dtype"), "correction.storage_dtype")
+            sbytes = _dtype_bytes(corr.get("storage_dtype"), "correction.storage_dtype")
     gpu = None
     if device == "cuda":
-        gib = gpu_mem_gib if gpu_mem_gib is not None else 80.0
-        gpu = int(gib * GiB)
-    mem_fraction = g(cfg, CONFIG_KEYS["engine_mem_fraction"], None, what="engine memory fraction")
-    x = PlanInputs(
+        gpu = int((gpu_mem_gib if gpu_mem_gib is not None else 80.0) * GiB)
+    fraction = _get(cfg, "engine_mem_fraction", None, what="engine memory fraction")
+    return PlanInputs(
         actor=actor,
         critic=critic,
-        reference=kl > 0,
-        world_size=world,
+        reference=float(_get(cfg, "kl", 0.0, what="KL coefficient")) > 0,
+        world_size=world_size,
         device=device,
         master_bytes=master,
         compute_bytes=compute,
-        micro_batch=micro,
-        seq_len=prompt + response,
+        micro_batch=int(_get(cfg, "micro_batch", what="micro-batch size")),
+        seq_len=_prompt_len(cfg) + response,
         response_len=response,
         activation_checkpointing=bool(
-            g(cfg, CONFIG_KEYS["activation_checkpointing"], False, what="activation_checkpointing")
+            _get(cfg, "activation_checkpointing", False, what="activation_checkpointing")
         ),
-        logits_chunk=int(g(cfg, CONFIG_KEYS["logits_chunk"], 1024, what="logits chunk size")),
-        actor_optimizer=optimizer_spec(opt_node),
-        critic_optimizer=optimizer_spec(critic_opt_node),
+        logits_chunk=int(_get(cfg, "logits_chunk", DEFAULT_LOGITS_CHUNK, what="chunk")),
+        actor_optimizer=optimizer_spec(opt),
+        critic_optimizer=optimizer_spec(critic_opt),
         correction=method,
         snapshot_storage=storage,
-        snapshot_bytes=sdtype,
-        max_staleness=int(g(cfg, CONFIG_KEYS["max_staleness"], 0, what="max_staleness")),
-        partial_rollout=bool(g(cfg, CONFIG_KEYS["partial_rollout"], False, what="partial_rollout")),
-        engine_mem_fraction=None if mem_fraction is None else float(mem_fraction),
+        snapshot_bytes=sbytes,
+        max_staleness=int(_get(cfg, "max_staleness", 0, what="max_staleness")),
+        partial_rollout=bool(_get(cfg, "partial_rollout", False, what="partial_rollout")),
+        engine_mem_fraction=None if fraction is None else float(fraction),
+        engine_sleeps=_get(cfg, "engine_memory_mode", "overlap", what="engine mode") == "sleep",
+        engine_weights_host_copy=bool(
+            _get(cfg, "engine_weights_backup", False, what="engine weights backup")
+        ),
         gpu_mem_bytes=gpu,
     )
-    return plan_memory(x)
 
 
-# The config keys the planner reads, in order of preference.
-CONFIG_KEYS: dict[str, list[str]] = {
-    "actor": ["model", "actor", "actor.model"],
-    "critic": ["critic", "critic.model"],
-    "estimator": ["advantage_estimator", "ppo.advantage_estimator"],
-    "kl": ["kl.coef", "kl_coef", "ppo.kl_coef", "loss.kl_coef"],
-    "device": ["device"],
-    "world_size": ["nproc_per_node", "world_size", "parallel.world_size"],
-    "master_dtype": ["dtype", "model_dtype", "training.dtype"],
-    "compute_dtype": ["param_dtype", "compute_dtype", "mixed_precision.param_dtype"],
-    "prompt_len": ["data.max_prompt_len", "max_prompt_len", "rollout.max_prompt_len"],
-    "response_len": [
-        "rollout.max_new_tokens",
-        "sampling.max_new_tokens",
-        "max_response_len",
-        "rollout.max_response_len",
-    ],
-    "micro_batch": ["ppo.micro_batch_size", "micro_batch_size", "ppo.micro_batch"],
-    "optimizer": ["optimizer", "actor_optimizer"],
-    "critic_optimizer": ["critic_optimizer"],
-    "correction": ["correction"],
-    "activation_checkpointing": ["activation_checkpointing"],
-    "logits_chunk": ["logprob_chunk_size", "chunk_size", "ppo.logprob_chunk_size"],
-    "max_staleness": ["rollout.max_staleness"],
-    "partial_rollout": ["rollout.partial_rollout"],
-    "engine_mem_fraction": ["engine.mem_fraction", "engine.mem_fraction_static"],
-}
+def plan_from_config(
+    cfg: DictConfig, *, gpu_mem_gib: float | None = None, world_size: int | None = None
+) -> MemoryPlan:
+    """The memory plan of a run config (see :func:`plan_inputs_from_config`)."""
+    return plan_memory(plan_inputs_from_config(cfg, gpu_mem_gib=gpu_mem_gib, world_size=world_size))

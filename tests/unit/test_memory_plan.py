@@ -11,12 +11,14 @@ gradient accumulation each, actor then critic, correction prepare / EWMA update 
 import argparse
 import dataclasses
 import math
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from minippo.config import ConfigError
+from minippo.config import ConfigError, load_config
 from minippo.models import (
     Transformer,
     ValueModel,
@@ -194,6 +196,39 @@ def _wider():
     )
 
 
+REPO = Path(__file__).resolve().parents[2]
+RECIPE, TINY = REPO / "recipes" / "async_ppo.py", REPO / "configs" / "tiny_cpu.yaml"
+
+
+@pytest.mark.skipif(not (RECIPE.exists() and TINY.exists()), reason="needs the async_ppo recipe")
+def test_plan_agrees_with_the_measured_peak_of_the_tiny_cpu_recipe_run(tmp_path):
+    """The real recipe (configs/tiny_cpu.yaml, 3 steps, TorchEngine in its own process): the
+    trainer process's peak of live tensor bytes, from setup to the last step, against the plan."""
+    recipe = runpy.run_path(str(RECIPE), run_name="recipe")["AsyncPPORecipe"]
+    cfg = load_config(
+        TINY,
+        [
+            "total_steps=3",
+            f"output_dir={tmp_path}",
+            "progress_bar=false",
+            "checkpoint.export_hf=false",
+            "checkpoint.every_n_steps=100",
+        ],
+    )
+    run = recipe(cfg)
+    tracker = TensorMemoryTracker()
+    try:
+        with tracker:
+            run.setup(cfg)
+            run.train()
+    finally:
+        run.cleanup()
+    plan = plan_from_config(cfg)
+    measured = tracker.peak["cpu"]
+    err = plan.trainer_total / measured - 1
+    assert abs(err) < 0.15, (plan.trainer_total, measured, err)
+
+
 def test_plan_agrees_with_measured_peak_of_the_tiny_job():
     measured, plan = tiny_job_peak(qwen3_tiny())
     err = plan.trainer_total / measured - 1
@@ -221,27 +256,35 @@ def test_plan_agrees_with_measured_peak_across_switches(kw, args):
 
 
 def _run_cfg(**over):
+    """A run config with the recipe's keys (as in configs/*.yaml)."""
     cfg = {
         "model": {"_component_": "minippo.models.qwen3_4b"},
+        "checkpoint_path": None,
         "advantage_estimator": "gae",
-        "device": "cuda",
-        "nproc_per_node": 8,
-        "dtype": "float32",
-        "param_dtype": "bfloat16",
-        "data": {"max_prompt_len": 2048},
+        "dtype": "bf16",
+        "dataset": {"_component_": "minippo.data.load_prompt_dataset", "max_prompt_tokens": 2048},
         "rollout": {"max_new_tokens": 8192, "max_staleness": 2, "partial_rollout": True},
         "ppo": {"micro_batch_size": 1},
+        "kl": {"coef": 0.0},
+        "critic": {"checkpoint_path": None, "optimizer": {"_component_": "torch.optim.AdamW"}},
         "optimizer": {"_component_": "minippo.training.optimizers.AdamW", "lr": 1e-6},
         "correction": {"_component_": "minippo.rl.correction.KeepOldActor"},
         "activation_checkpointing": True,
-        "engine": {"mem_fraction": 0.35},
+        "engine": {
+            "_component_": "minippo.engine.sglang_engine.SGLangEngine",
+            "mem_fraction_static": 0.35,
+        },
     }
     cfg.update(over)
     return OmegaConf.create(cfg)
 
 
+def _plan(cfg, gpu=141):
+    return plan_from_config(cfg, gpu_mem_gib=gpu, world_size=8)
+
+
 def test_plan_from_config_for_a_4b_model_on_8_gpus():
-    plan = plan_from_config(_run_cfg(), gpu_mem_gib=141)
+    plan = _plan(_run_cfg())
     items = {i.name: i for i in plan.items}
     params = items["actor parameters"].device
     # Qwen3-4B (tied lm_head) in fp32 over 8 ranks: ~4.0B x 4 / 8 bytes; AdamW states twice that
@@ -263,13 +306,18 @@ def test_plan_from_config_for_a_4b_model_on_8_gpus():
 
 
 def test_switches_shrink_what_they_should():
-    base = plan_from_config(_run_cfg(), gpu_mem_gib=141)
-    opt8 = plan_from_config(
-        _run_cfg(optimizer={"_component_": "torchao.optim.AdamW8bit"}), gpu_mem_gib=141
-    )
-    noac = plan_from_config(_run_cfg(activation_checkpointing=False), gpu_mem_gib=141)
-    ewma = plan_from_config(
-        _run_cfg(correction={"_component_": "minippo.rl.correction.EWMA"}), gpu_mem_gib=141
+    base = _plan(_run_cfg())
+    opt8 = _plan(_run_cfg(optimizer={"_component_": "torchao.optim.AdamW8bit"}))
+    noac = _plan(_run_cfg(activation_checkpointing=False))
+    ewma = _plan(_run_cfg(correction={"_component_": "minippo.rl.correction.EWMA"}))
+    sleep = _plan(
+        _run_cfg(
+            engine={
+                "_component_": "minippo.engine.sglang_engine.SGLangEngine",
+                "mem_fraction_static": 0.35,
+                "memory_mode": "sleep",
+            }
+        )
     )
 
     def item(plan, name):
@@ -281,7 +329,8 @@ def test_switches_shrink_what_they_should():
     assert 0.24 < ratio < 0.27  # ~2.03 of 8 bytes per parameter
     assert item(noac, "actor activations").device > 3 * item(base, "actor activations").device
     assert item(ewma, "correction (ewma)").device > 0 and ewma.host_total == 0
-    small = plan_from_config(_run_cfg(), gpu_mem_gib=20)
+    assert sleep.device_total == base.device_total - item(base, "engine (mem_fraction)").device
+    small = _plan(_run_cfg(), gpu=20)
     assert small.fits is False
     assert "DOES NOT FIT" in small.table()
 
@@ -291,19 +340,27 @@ def test_missing_or_bad_keys_are_named():
     del cfg["ppo"]
     with pytest.raises(ConfigError, match=r"micro-batch size \(looked for ppo\.micro_batch_size"):
         plan_from_config(cfg)
+    cfg = _run_cfg()
+    del cfg.dataset["max_prompt_tokens"]
+    with pytest.raises(ConfigError, match=r"dataset\.max_prompt_tokens"):
+        plan_from_config(cfg)
+    with pytest.raises(ConfigError, match=r"has no config\.json"):
+        plan_from_config(_run_cfg(checkpoint_path="/nonexistent/Qwen3-4B"))
     with pytest.raises(ConfigError, match="no model of this optimizer"):
         plan_from_config(_run_cfg(optimizer={"_component_": "torch.optim.SGD"}))
     with pytest.raises(ConfigError, match="dtype='float8'"):
         plan_from_config(_run_cfg(dtype="float8"))
-    with pytest.raises(ConfigError, match="cannot get the model shape"):
+    with pytest.raises(ConfigError, match=r"calling minippo\.models\.Transformer failed"):
         plan_from_config(_run_cfg(model={"_component_": "minippo.models.Transformer"}))
+    with pytest.raises(ConfigError, match="not ModelArgs"):
+        plan_from_config(_run_cfg(model={"_component_": "minippo.models.TinyTokenizer"}))
 
 
 def test_llama_and_tied_models_plan_without_allocating():
     # a model far too large to allocate here is planned from shapes on the meta device
     cfg = _run_cfg(model={"_component_": "minippo.models.qwen3_8b"})
-    plan = plan_from_config(cfg, gpu_mem_gib=141)
-    assert plan.items[0].device > 3.5e9
+    plan = _plan(cfg)
+    assert plan.items[0].device > 3.5e9  # 8.2B fp32 / 8
     plan = plan_from_config(_run_cfg(model={"_component_": "minippo.models.llama3_2_1b"}))
     assert plan.items[0].device > 0 and llama3_2_1b().tie_word_embeddings
 
@@ -321,7 +378,7 @@ def test_plan_command_prints_the_table_and_exit_code(capsys, tmp_path):
     code = args.func(args)
     out = capsys.readouterr().out
     assert "micro_batch 2" in out and ("FITS" in out) == (code == 0)
-    args = parser.parse_args(["plan", "--config", str(path), "gpu_mem_gib=8"])
+    args = parser.parse_args(["plan", "--config", str(path), "gpu_mem_gib=8", "nproc_per_node=8"])
     assert args.func(args) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
     args = parser.parse_args(["plan", "--config", str(path), "gpu_mem_gib=lots"])

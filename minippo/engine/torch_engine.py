@@ -16,7 +16,8 @@ exactly what "this token was sampled by version v" means to the corrections.
 Sampling (per row; each request owns a ``torch.Generator`` seeded by its ``seed``):
     z = logits / T  (T = 1 for greedy),   logprob(token) = log_softmax(z)[token] over the full vocab
     top-k / top-p remove tokens from z (never renormalising the reported logprob);
-    token = argmax(z_kept - log E),  E ~ Exp(1)  (the exponential race: a draw from softmax(z_kept))
+    token = first index i with cdf_i > u · cdf_V,  cdf = cumsum(softmax(z_kept)) in float64,
+            u ~ U(0, 1): one uniform per row and step (inverse-CDF sampling)
     greedy (T == 0): token = argmax(logits).
 Each row's random draws depend only on its own generator, so a seeded request gives the same tokens
 whatever else is in the batch (up to floating-point differences of batched matmuls).
@@ -73,44 +74,55 @@ def sample_next(
     logits Float[k, V]; temperature Float[k] (0 = greedy); top_k Long[k] (0 = off);
     top_p Float[k] (1 = off); generators: one per row.
 
-    logprob = log_softmax(logits / T)[token] over the full vocabulary (T = 1 for greedy rows).
+    z = logits / T (T = 1 for greedy rows);  logprob = z[token] - logsumexp(z)  (full vocabulary)
+    sampling: inverse CDF of softmax(z restricted to top-k / top-p), one uniform u per row from
+    the row's own generator: token = first i with cdf_i > u * cdf_V (cdf accumulated in float64).
     """
-    logits = logits.float()
+    k, vocab = logits.shape
+    z = logits.float()
     greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits / t[:, None], dim=-1)  # [k, V]
-    tokens = logits.argmax(dim=-1)
+    if bool((temperature != 1).any()):
+        z = z / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    zmax = z.amax(dim=-1, keepdim=True)
+    e = (z - zmax).exp_()  # softmax numerators, [k, V], max entry 1
     sampled_rows = (~greedy).nonzero().flatten().tolist()
+    filtered = bool(((top_k > 0) | (top_p < 1))[~greedy].any()) if sampled_rows else False
+    cdf = e.double().cumsum_(dim=-1)  # cdf[:, -1] = Σ exp(z - zmax) in float64
+    # logsumexp(z) = zmax + log Σ exp(z - zmax)
+    lse = zmax.squeeze(-1).double() + cdf[:, -1].log()
+    tokens = z.argmax(dim=-1) if len(sampled_rows) < k else torch.empty(k, dtype=torch.long)
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
-        z = logp[rows]  # log-probs differ from z = logits / T by a per-row constant
-        k_rows, p_rows = top_k[rows], top_p[rows]
-        if bool((k_rows > 0).any()) or bool((p_rows < 1).any()):
-            z = _filter_top_k_top_p(z, k_rows, p_rows)
-        # exponential race: argmax(z - log E), E ~ Exp(1), draws from softmax(z)
-        e = torch.empty_like(z)
-        for i, row in enumerate(sampled_rows):
-            e[i].exponential_(generator=generators[row])
-        tokens[rows] = (z - e.log()).argmax(dim=-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+        c = cdf if len(sampled_rows) == k else cdf[rows]
+        if filtered:
+            kept = _filter_top_k_top_p(
+                e[rows] if len(sampled_rows) < k else e, top_k[rows], top_p[rows]
+            )
+            c = kept.double().cumsum_(dim=-1)
+        u = torch.cat([torch.rand(1, generator=generators[row]) for row in sampled_rows])
+        target = (u.to(c) * c[:, -1])[:, None]
+        drawn = torch.searchsorted(c, target, right=True).squeeze(-1).clamp_(max=vocab - 1)
+        tokens[rows] = drawn.to(tokens.device)
+    logprobs = (z.gather(-1, tokens[:, None]).squeeze(-1).double() - lse).float()
+    return tokens, logprobs
 
 
 def _filter_top_k_top_p(
-    logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """Set to -inf the tokens outside each row's top-k and top-p nucleus. logp Float[k, V].
+    """Zero the (unnormalised) probabilities outside each row's top-k and top-p nucleus.
 
-    top-k keeps ranks < k (k = 0: all); top-p keeps a token when the probability mass of the
-    tokens ranked before it is < p (so the most likely token is always kept).
+    probs Float[k, V] >= 0. top-k keeps ranks < k (k = 0: all); top-p keeps a token when the
+    normalised mass of the tokens ranked before it is < p (the most likely token is always kept).
     """
-    sorted_logp, order = logp.sort(dim=-1, descending=True)
-    rank = torch.arange(logp.shape[-1], device=logp.device)[None, :]
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-    probs = sorted_logp.exp()
-    mass_before = probs.cumsum(dim=-1) - probs
-    keep &= mass_before < top_p[:, None]
+    cum = sorted_p.double().cumsum(dim=-1)
+    mass_before = (cum - sorted_p.double()) / cum[:, -1:]
+    keep &= mass_before < top_p[:, None].double()
     keep_unsorted = torch.zeros_like(keep).scatter(-1, order, keep)
-    return logp.masked_fill(~keep_unsorted, float("-inf"))
+    return probs.masked_fill(~keep_unsorted, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,6 +183,7 @@ class _Server:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self._refresh_lm_head()
         self.waiting: list[_Row] = []
         self.active: list[_Row] = []  # rows of the running wave
         self.calls: dict[int, list[_Row]] = {}  # generate call -> its rows in request order
@@ -267,6 +280,7 @@ class _Server:
                 error = e
         if error is not None:
             raise error
+        self._refresh_lm_head()
         self.version = version
         self.stale_cache = True  # in-flight rows re-prefill under the new weights
 
@@ -284,6 +298,15 @@ class _Server:
                 )
             p.copy_(tensor)
 
+    def _refresh_lm_head(self) -> None:
+        """Cache W_out^T contiguous [D, V]: ``h @ W_out^T`` as a plain matmul is faster on CPU
+        than ``F.linear`` for the decode shapes (same math; rebuilt after every publish)."""
+        self.lm_head_t = self.model.output.weight.detach().t().contiguous()
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Last hidden states [k, D] -> logits [k, V] (the lm_head; it has no bias)."""
+        return h @ self.lm_head_t
+
     def _sleep_wake(self, kind: str) -> None:
         if self.active or self.waiting:
             raise RuntimeError(f"{kind}() needs an idle engine; abort or wait for requests first")
@@ -291,8 +314,10 @@ class _Server:
             if kind == "sleep":
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
+                self.lm_head_t = None
             else:
                 self.model.to(self.device)
+                self._refresh_lm_head()
             self.params = dict(self.model.named_parameters(remove_duplicate=False))
 
     def _finish_calls(self) -> None:
@@ -347,7 +372,7 @@ class _Server:
             kv_cache=cache,
             return_hidden=True,
         )
-        return self.model.output(h[:, -1]), cache
+        return self._logits(h[:, -1]), cache
 
     def _generate(self, rows: list[_Row]) -> None:
         dev = self.device
@@ -418,12 +443,14 @@ class _Server:
                 self.stale_cache = False
                 continue
             pos = mask.long().sum(-1, keepdim=True) - 1  # position of the newest token
-            logits = self.model(
+            h = self.model(
                 tokens[:, None],
                 position_ids=pos,
                 attention_mask=None if no_padding else mask,
                 kv_cache=cache,
-            )[:, -1]
+                return_hidden=True,
+            )
+            logits = self._logits(h[:, -1])
 
 
 def _serve_in_child(spec: dict, inbox: Any, outbox: Any) -> None:

@@ -1,0 +1,159 @@
+"""TorchEngine decode throughput vs HF transformers ``generate()`` on the same model and batch.
+
+The model: a Qwen3 with 4 layers, hidden 256, vocab 32k, random weights, built as a transformers
+``Qwen3ForCausalLM``, saved, and loaded into minippo with ``from_pretrained`` (so both sides run
+the very same weights). Both generate the same batch of prompts for exactly ``--new-tokens``
+tokens (no stop ids, ``min_new_tokens`` on the HF side), with the same sampling (temperature 1,
+no top-k / top-p), in this process with the same number of torch threads. TorchEngine runs
+in-process (``in_process=True``: the same serving loop as the engine process, without the process
+hop) so the two measure compute alike; ``--process`` times the engine process instead.
+
+A second table measures the compaction of finished rows: requests with mixed max_new_tokens,
+``compact=True`` (finished rows leave the batch via KVCache.keep) vs ``compact=False``.
+
+    python benchmarks/engine_throughput.py            # 32 prompts x 128 new tokens
+    python benchmarks/engine_throughput.py --quick    # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+
+import torch
+
+from minippo.engine import GenerateRequest, SamplingParams, TorchEngine
+from minippo.models import from_pretrained
+
+
+def build_hf_model(vocab: int, dim: int, layers: int, seed: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=3 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=dim // 4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def run_hf(model, prompts: torch.Tensor, new_tokens: int, seed: int) -> float:
+    """Seconds of one HF ``generate()`` of exactly ``new_tokens`` tokens per prompt."""
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+            use_cache=True,
+        )
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == prompts.shape[1] + new_tokens, out.shape
+    return dt
+
+
+def run_engine(engine, requests) -> tuple[float, int]:
+    """Seconds of one ``engine.generate(requests)`` and the number of generated tokens."""
+    t0 = time.perf_counter()
+    outs = engine.generate(requests)
+    return time.perf_counter() - t0, sum(len(c.token_ids) for c in outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens, 1 repeat")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
+    ap.add_argument("--process", action="store_true", help="time the engine process instead")
+    args = ap.parse_args()
+    if args.quick:
+        args.batch, args.new_tokens, args.repeats = 8, 16, 1
+    torch.set_num_threads(args.threads)
+
+    hf = build_hf_model(vocab=32_000, dim=256, layers=4, seed=0)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = from_pretrained(d, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, 32_000, (args.batch, args.prompt_len), generator=gen)
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+    requests = [
+        GenerateRequest(p.tolist(), replace(params, seed=i), f"r{i}") for i, p in enumerate(prompts)
+    ]
+    total = args.batch * args.new_tokens
+
+    # mixed lengths for the compaction table: from new_tokens / 8 to new_tokens
+    mixed = [
+        GenerateRequest(
+            r.prompt_ids,
+            SamplingParams(max_new_tokens=max(1, args.new_tokens * (1 + i % 8) // 8), seed=i),
+            r.request_id,
+        )
+        for i, r in enumerate(requests)
+    ]
+    engine = TorchEngine(ours, in_process=not args.process, num_threads=args.threads)
+    no_compact = TorchEngine(ours, in_process=True, compact=False)
+    hf_times, eng_times, comp_times, nocomp_times = [], [], [], []
+    try:
+        # interleaved runs so that both sides see the same load on shared cores; run 0 warms up
+        for r in range(args.repeats + 1):
+            t_hf = run_hf(hf, prompts, args.new_tokens, seed=r)
+            t_eng, n = run_engine(engine, requests)
+            assert n == total, (n, total)
+            t_c, n_mixed = run_engine(engine, mixed)
+            t_nc, _ = run_engine(no_compact, mixed)
+            if r:
+                hf_times.append(t_hf)
+                eng_times.append(t_eng)
+                comp_times.append(t_c)
+                nocomp_times.append(t_nc)
+    finally:
+        engine.shutdown()
+        no_compact.shutdown()
+
+    hf_tps = total / statistics.median(hf_times)
+    eng_tps = total / statistics.median(eng_times)
+    mode = "process" if args.process else "in-process"
+    print(
+        f"model: Qwen3 4 layers, hidden 256, vocab 32000 (fp32); batch {args.batch} x "
+        f"{args.prompt_len} prompt tokens, {args.new_tokens} new tokens, T=1.0; "
+        f"torch threads {args.threads}; median of {args.repeats}"
+    )
+    print(f"{'generator':<34}{'tokens/s':>12}{'s/run':>10}")
+    print(f"{'HF transformers generate()':<34}{hf_tps:>12.1f}{statistics.median(hf_times):>10.2f}")
+    print(
+        f"{'TorchEngine (' + mode + ')':<34}{eng_tps:>12.1f}{statistics.median(eng_times):>10.2f}"
+    )
+    print(f"ratio TorchEngine / HF: {eng_tps / hf_tps:.2f}x")
+    c, nc = statistics.median(comp_times), statistics.median(nocomp_times)
+    print(
+        f"compaction, mixed max_new_tokens ({n_mixed} tokens): compact {n_mixed / c:.1f} tok/s "
+        f"({c:.2f} s), no compaction {n_mixed / nc:.1f} tok/s ({nc:.2f} s): {nc / c:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""The async PPO recipe end to end on the tiny CPU config (fp32, fixed seed).
+
+Runs go through the real CLI (``python -m minippo._cli.main run async_ppo --config tiny_cpu ...``)
+or, to pay the import and start-up cost once, several ``recipe_main`` calls in one subprocess.
+Pinned numbers are reproducible because the rollout queue's version policy is deterministic (batch
+``s`` always starts once version ``s - max_staleness`` is published), sampling uses per-request
+seeds, and the minibatch order uses a per-step generator.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from minippo.training.metrics import read_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+# small and fast: 8 prompts x 4 samples, 2 minibatches of 16 rows in micro-batches of 8
+SMALL = [
+    "rollout.groups_per_batch=8",
+    "ppo.minibatches=2",
+    "ppo.micro_batch_size=8",
+    "progress_bar=false",
+    "checkpoint.export_hf=false",
+]
+FAST = [*SMALL, "engine.in_process=true"]  # the engine loop in a thread: no process start-up
+# metrics that do not depend on timing (queue counters and perf/ do)
+STABLE_PREFIXES = ("train/", "correction/")
+STABLE_ROLLOUT = ("rollout/reward_mean", "rollout/response_len_mean", "rollout/staleness_mean")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``minippo <args>`` in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "minippo._cli.main", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=_env(),
+        timeout=timeout,
+    )
+
+
+def run_recipes(runs: list[list[str]], timeout: float = 300) -> list[str | None]:
+    """Run ``recipe_main(load_config("tiny_cpu", overrides))`` for each override list, in order,
+    in one subprocess; returns None per successful run, else the error's text."""
+    code = textwrap.dedent(
+        """
+        import json, runpy, sys, traceback
+        from minippo.config import load_config
+        if __name__ == "__main__":
+            main = runpy.run_path(sys.argv[1])["recipe_main"]
+            results = []
+            for overrides in json.loads(sys.argv[2]):
+                try:
+                    main(load_config("tiny_cpu", overrides))
+                    results.append(None)
+                except Exception as e:
+                    results.append(f"{type(e).__name__}: {e}\\n" + traceback.format_exc())
+            print("RESULTS=" + json.dumps(results))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "recipes" / "async_ppo.py"), json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=_env(),
+        timeout=timeout,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS=")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS=") :])
+
+
+def stable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k.startswith(STABLE_PREFIXES) or k in STABLE_ROLLOUT}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        both_nan = isinstance(a[k], float) and math.isnan(a[k]) and math.isnan(b[k])
+        assert both_nan or a[k] == b[k], (k, a[k], b[k])
+
+
+# pinned from `minippo run async_ppo --config tiny_cpu total_steps=3 <SMALL>` (fp32, seed 0)
+PINNED_REWARD = [0.0, 0.015625, 0.0078125]
+PINNED_LAST = {
+    "train/policy_loss": -0.0065141040831804276,
+    "train/value_loss": 0.0018147254741052166,
+    "train/approx_kl": 0.005039616429712623,
+}
+
+
+def test_cli_run_pinned_metrics(tmp_path):
+    out = tmp_path / "run"
+    proc = cli(
+        "run", "async_ppo", "--config", "tiny_cpu", "total_steps=3", f"output_dir={out}", *SMALL
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"metrics: {out / 'metrics.jsonl'}" in proc.stdout
+    assert f"checkpoint: {out / 'checkpoints' / 'step_000003'}" in proc.stdout
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["rollout/reward_mean"] for r in rows] == pytest.approx(PINNED_REWARD, rel=1e-6)
+    for k, v in PINNED_LAST.items():
+        assert rows[-1][k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
+    # async: step 0 uses the initial weights, later steps tokens one version old
+    assert [r["rollout/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0]
+    assert rows[-1]["correction/ewma_resets"] == 0.0
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000003"
+
+
+def test_every_correction_and_grpo_and_kl_run(tmp_path):
+    C = "correction._component_=minippo.rl.correction."
+    runs = {
+        "rollout_logprobs": [C + "RolloutLogprobs", "~correction.cap", "~correction.reset_below"],
+        "tis": [C + "TIS", "~correction.reset_below"],
+        "keep_old_actor": [C + "KeepOldActor", "~correction.reset_below"],
+        "loglinear_prox": [C + "LogLinearProx", "~correction.reset_below"],
+        "none_sync": ["correction=null", "rollout.max_staleness=0"],
+        "grpo_kl_loss": [
+            "advantage_estimator=grpo",
+            "kl.coef=0.05",
+            "kl.mode=loss",
+            "kl.estimator=k3",
+        ],
+        "gae_kl_reward_warmup": ["kl.coef=0.05", "critic.warmup_steps=1"],
+    }
+    overrides = [
+        [*FAST, "total_steps=2", f"output_dir={tmp_path / name}", *extra]
+        for name, extra in runs.items()
+    ]
+    results = run_recipes(overrides)
+    for name, err in zip(runs, results):
+        assert err is None, f"{name}: {err}"
+    for name in runs:
+        rows = read_jsonl(tmp_path / name / "metrics.jsonl")
+        assert len(rows) == 2, name
+        assert all(
+            math.isfinite(r["train/value_loss" if "grpo" not in name else "train/loss"])
+            for r in rows
+        )
+    kor = read_jsonl(tmp_path / "keep_old_actor" / "metrics.jsonl")
+    assert [r["correction/version_mismatches"] for r in kor] == [0.0, 0.0]
+    grpo = read_jsonl(tmp_path / "grpo_kl_loss" / "metrics.jsonl")
+    assert "train/value_loss" not in grpo[0] and "train/kl_mean" in grpo[0]
+    warm = read_jsonl(tmp_path / "gae_kl_reward_warmup" / "metrics.jsonl")
+    assert [r["train/actor_updated"] for r in warm] == [0.0, 1.0]
+    assert "train/kl_ref_mean" in warm[0]
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = [*FAST, "checkpoint.every_n_steps=2"]
+    results = run_recipes(
+        [
+            [*common, "total_steps=4", f"output_dir={full}"],
+            [*common, "total_steps=2", f"output_dir={part}"],  # "killed" after step 2
+            [*common, "total_steps=4", f"output_dir={part}", "resume_from=latest"],
+        ]
+    )
+    assert results == [None, None, None], results
+    a = read_jsonl(full / "metrics.jsonl")
+    b = read_jsonl(part / "metrics.jsonl")
+    assert [r["step"] for r in a] == [0, 1, 2, 3] and [r["step"] for r in b] == [0, 1, 2, 3]
+    for ra, rb in zip(a, b):
+        assert_same(stable(ra), stable(rb))
+    assert a[3]["rollout/staleness_mean"] == 1.0  # the resumed batch was the saved, stale one
+
+
+def test_bad_configs_fail_before_anything_is_built(tmp_path):
+    out = tmp_path / "never"
+    # async + critic + no correction: the fail-fast correction check lists the options
+    proc = cli("run", "async_ppo", "--config", "tiny_cpu", "correction=null", f"output_dir={out}")
+    assert proc.returncode != 0
+    assert "correction._component_=minippo.rl.correction.EWMA" in proc.stderr
+    assert "max_staleness=1" in proc.stderr
+    # shape checks name the values and the fix
+    main = __import__("runpy").run_path(str(REPO / "recipes" / "async_ppo.py"))["recipe_main"]
+    from minippo.config import load_config
+
+    cases = {
+        "ppo.minibatches=3": "must be divisible by ppo.minibatches (3); pick ppo.minibatches among",
+        "ppo.micro_batch_size=7": "divisible by ppo.micro_batch_size (7)",
+        "advantage_estimator=vtrace": "advantage_estimator must be 'gae' or 'grpo', got 'vtrace'",
+        "kl.mode=both": "kl.mode ('both') 'reward' or 'loss'",
+        "critic.warmup_steps=99": "critic.warmup_steps (99) must be in [0, total_steps (60))",
+    }
+    for override, message in cases.items():
+        cfg = load_config("tiny_cpu", [f"output_dir={out}", override])
+        with pytest.raises(ValueError) as e:
+            main(cfg)
+        assert message in str(e.value), (override, str(e.value))
+    assert not out.exists()  # nothing was created: no logger, no checkpoint, no engine
+
+
+def _actor_weights(ckpt: Path, tmp: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(ckpt, tmp / f"{ckpt.name}.pt")
+    sd = torch.load(tmp / f"{ckpt.name}.pt", weights_only=False)
+    return {k: v for k, v in sd["actor"].items()}
+
+
+def test_nan_loss_is_skipped_then_repeated_nans_stop_the_run(tmp_path):
+    skip, stop = tmp_path / "skip", tmp_path / "stop"
+    common = [*FAST, "total_steps=3", "checkpoint.every_n_steps=1", "checkpoint.keep_last=null"]
+    results = run_recipes(
+        [
+            [*common, f"output_dir={skip}", "debug.nan_loss_at_steps=[1]"],
+            [
+                *common,
+                f"output_dir={stop}",
+                "debug.nan_loss_at_steps=[1]",
+                "max_consecutive_nonfinite=2",
+            ],
+        ]
+    )
+    assert results[0] is None, results[0]
+    rows = read_jsonl(skip / "metrics.jsonl")
+    assert [r["train/nonfinite_skipped_total"] for r in rows] == [0.0, 2.0, 2.0]  # 2 minibatches
+    assert math.isnan(rows[1]["train/grad_norm"]) and math.isfinite(rows[2]["train/grad_norm"])
+    w1, w2, w3 = (
+        _actor_weights(skip / "checkpoints" / f"step_00000{i}", tmp_path) for i in (1, 2, 3)
+    )
+    for k in w1:  # step 1 (between checkpoints 1 and 2) changed nothing; step 2 trained again
+        assert torch.equal(w1[k], w2[k]), k
+        assert torch.isfinite(w3[k]).all(), k
+    assert any(not torch.equal(w2[k], w3[k]) for k in w2)
+
+    assert results[1] is not None and "NonFiniteError" in results[1]
+    assert "2 optimizer steps in a row had a non-finite loss" in results[1]
+    assert "max_consecutive_nonfinite" in results[1]
+    assert (stop / "checkpoints" / "latest").read_text().strip() == "step_000001"
+
+
+def test_every_shipped_config_validates():
+    from minippo.config import load_config, validate
+    from minippo.rl.correction import validate_async_off_policy_correction
+
+    validate_config = __import__("runpy").run_path(str(REPO / "recipes" / "async_ppo.py"))[
+        "validate_config"
+    ]
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        cfg = load_config(path)
+        assert validate(cfg) == [], path.name
+        validate_async_off_policy_correction(cfg)
+        world = 8 if "8gpu" in path.name else 1
+        validate_config(cfg, world)
+
+
+@pytest.mark.slow
+def test_tiny_cpu_default_learns(tmp_path):
+    """The main job: from chance to >= 0.8 of the maximum reward in the default steps."""
+    proc = cli("run", "async_ppo", "--config", "tiny_cpu", f"output_dir={tmp_path}", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[0]["rollout/reward_mean"] < 0.1
+    last = [r["rollout/reward_mean"] for r in rows[-5:]]
+    assert sum(last) / len(last) >= 0.8

@@ -139,3 +139,25 @@ def test_length_filter_and_errors(tmp_path):
         load_prompt_dataset(tok, source="json", data_files=str(path), template="plain")
     with pytest.raises(ValueError, match="set data_files"):
         load_prompt_dataset(tok, source="parquet")
+
+
+@pytest.mark.parametrize(
+    ("config", "sample"),
+    [
+        ("qwen3_0_6b_gsm8k_1gpu", "math_qa.jsonl"),
+        ("qwen3_4b_dapo_math_8gpu", "math_messages.jsonl"),
+    ],
+)
+def test_real_model_configs_dataset_and_reward_on_sample_files(hf_tokenizer, config, sample):
+    """The shipped configs' dataset + reward nodes, pointed at the sample files (no download)."""
+    from minippo.config import instantiate, load_config
+
+    cfg = load_config(config, ["dataset.source=json", f"dataset.data_files={SAMPLES_DIR / sample}"])
+    ds = instantiate(cfg.dataset, tokenizer=hf_tokenizer)
+    reward = instantiate(cfg.reward)
+    assert len(ds) >= 4
+    ex = ds[0]
+    assert ex.prompt.startswith("<|im_start|>user\n") and ex.prompt.endswith("<think></think>\n")
+    answer = ex.answer.split("####")[-1].strip()
+    assert reward(ex, f"... so \\boxed{{{answer}}}") == 1.0
+    assert reward(ex, "no idea") == 0.0

@@ -37,6 +37,7 @@ class FakeEngine:
         self._rng = random.Random(seed)
         self.step_s = step_s
         self.generate_calls = 0
+        self.progress = 0  # decode steps done in the latest generate call
         self.publishes: list[int] = []
 
     @property
@@ -46,6 +47,7 @@ class FakeEngine:
     def generate(self, requests):
         validate_requests(requests, max_seq_len=4096)
         self.generate_calls += 1
+        self.progress = 0
         outs = [([], [], []) for _ in requests]
         done = [None] * len(requests)
         while any(d is None for d in done):
@@ -67,6 +69,7 @@ class FakeEngine:
                         done[i] = "stop"
                     elif len(toks) >= r.params.max_new_tokens:
                         done[i] = "length"
+                self.progress += 1
             time.sleep(self.step_s * 2 * self._rng.random())
         with self._cond:
             self._abort = False
@@ -105,6 +108,14 @@ class FakeEngine:
 
     def shutdown(self):
         pass
+
+
+def wait_until_generating(eng: FakeEngine, call: int, steps: int = 3) -> None:
+    """Block until the engine's ``call``-th generate call has done ``steps`` decode steps."""
+    deadline = time.time() + 30
+    while not (eng.generate_calls == call and eng.progress >= steps):
+        assert time.time() < deadline, "the engine never started the expected generate call"
+        time.sleep(0.001)
 
 
 def prompts(n: int):
@@ -199,19 +210,19 @@ def test_async_generates_ahead_and_counts_capacity_waits():
 
 def test_partial_rollout_keeps_per_token_versions():
     """A publish during a long generation splits responses into old-version | new-version runs."""
-    eng = FakeEngine(step_s=0.002)
+    eng = FakeEngine(step_s=0.0005)
     q = RolloutQueue(
         eng,
         prompts(10),
         groups_per_batch=1,
         samples_per_prompt=2,
-        sampling=SamplingParams(max_new_tokens=300),
+        sampling=SamplingParams(max_new_tokens=1000),
         max_staleness=1,
         partial_rollout=True,
     )
     q.start()
     b0 = q.get_batch(0, timeout=30)
-    time.sleep(0.05)  # batch 1 is now being generated under version 0
+    wait_until_generating(eng, call=2)  # batch 1 is now being generated under version 0
     q.publish([], version=1)
     b1 = q.get_batch(1, timeout=30)
     q.close()
@@ -239,7 +250,7 @@ def test_publish_without_partial_rollout_waits_for_running_generation():
     )
     q.start()
     q.get_batch(0, timeout=30)
-    time.sleep(0.02)
+    wait_until_generating(eng, call=2)
     q.publish([], version=1)
     b1 = q.get_batch(1, timeout=30)
     q.close()

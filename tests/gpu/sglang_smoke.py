@@ -80,6 +80,28 @@ def _check_agreement(errors: list[float], what: str) -> str:
     return f"{what} mean|Δ|={mean:.2e} max|Δ|={worst:.2e}"
 
 
+def _in_thread(fn) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, box
+
+
+def _joined(t: threading.Thread, box: dict, timeout: float = 600.0):
+    t.join(timeout)
+    assert not t.is_alive(), f"generate did not return within {timeout} s"
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model-path", default=None, help="HF checkpoint (default: tiny random Qwen3)")
@@ -166,9 +188,7 @@ def main() -> None:
         # 5. partial rollout across a publish
         saved = [p.detach().clone() for p in model.parameters()]
         long = GenerateRequest([7, 8, 9], SamplingParams(max_new_tokens=2000, seed=5), "long")
-        box: dict = {}
-        t = threading.Thread(target=lambda: box.update(c=engine.generate([long])[0]))
-        t.start()
+        t, box = _in_thread(lambda: engine.generate([long]))
         time.sleep(0.2)
         engine.pause()
         with torch.no_grad():
@@ -178,8 +198,7 @@ def main() -> None:
             full_tensor_buckets(model, bucket_bytes=bucket_bytes, dtype=torch.bfloat16), version=1
         )
         engine.resume()
-        t.join(600)
-        c = box["c"]
+        (c,) = _joined(t, box)
         n_old = c.versions.count(0)
         assert c.versions == [0] * n_old + [1] * (len(c.versions) - n_old), "versions not split"
         assert 0 < n_old < len(c.versions), f"the publish did not land mid-response ({n_old})"
@@ -216,19 +235,17 @@ def main() -> None:
         log.append(_check_agreement(_logprob_errors(model, outs, 1.0), "after wake"))
 
         # 7. abort
-        box = {}
         ab = GenerateRequest([1], SamplingParams(max_new_tokens=2000, seed=1), "ab")
-        t = threading.Thread(target=lambda: box.update(c=engine.generate([ab])[0]))
-        t.start()
+        t, box = _in_thread(lambda: engine.generate([ab]))
         time.sleep(0.2)
         partials = engine.abort()
-        t.join(600)
+        (c,) = _joined(t, box)
         if partials:
             (partial,) = partials
-            assert partial.finish_reason == "abort" and box["c"].token_ids == partial.token_ids
+            assert partial.finish_reason == "abort" and c.token_ids == partial.token_ids
             log.append(f"abort kept {len(partial.token_ids)} tokens")
         else:  # the request finished before the abort arrived
-            assert box["c"].finish_reason == "length"
+            assert c.finish_reason == "length"
             log.append("abort: request had finished")
     finally:
         engine.shutdown()

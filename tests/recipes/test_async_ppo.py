@@ -100,9 +100,9 @@ def assert_same(a: dict, b: dict) -> None:
 # pinned from `minippo run async_ppo --config tiny_cpu total_steps=3 <SMALL>` (fp32, seed 0)
 PINNED_REWARD = [0.0, 0.015625, 0.0078125]
 PINNED_LAST = {
-    "train/policy_loss": -0.0065141040831804276,
-    "train/value_loss": 0.0018147254741052166,
-    "train/approx_kl": 0.005039616429712623,
+    "train/policy_loss": -0.0063700322061777115,
+    "train/value_loss": 0.0005264228420855943,
+    "train/approx_kl": 0.0020685198542196304,
 }
 
 
@@ -166,7 +166,8 @@ def test_every_correction_and_grpo_and_kl_run(tmp_path):
 
 def test_resume_equals_uninterrupted_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    common = [*FAST, "checkpoint.every_n_steps=2"]
+    # the LR schedule's horizon is fixed, so the run stopped at step 2 decays like the full one
+    common = [*FAST, "checkpoint.every_n_steps=2", "lr_scheduler.total_steps=4"]
     results = run_recipes(
         [
             [*common, "total_steps=4", f"output_dir={full}"],

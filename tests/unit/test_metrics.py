@@ -74,3 +74,18 @@ def test_tensorboard_missing_gives_install_hint(tmp_path):
 def test_wandb_missing_gives_install_hint():
     with pytest.raises(ImportError, match="pip install wandb"):
         WandBLogger(project="p")
+
+
+def test_plot_metrics_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from minippo.training.plot import plot_metrics
+
+    path = tmp_path / "m.jsonl"
+    lg = JsonlLogger(path)
+    for s in range(5):
+        lg.log({"rollout/reward_mean": s / 4, "train/loss": float("nan")}, step=s)
+    lg.close()
+    plot_metrics(path, ["rollout/reward_mean"], tmp_path / "r.png", hline=0.8, title="t")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(KeyError, match="no finite values"):
+        plot_metrics(path, ["train/loss"], tmp_path / "x.png")

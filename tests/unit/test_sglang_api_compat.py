@@ -457,3 +457,38 @@ def test_smoke_check_extra_server_args_exist(wheel):
 
     missing = set(SMOKE_EXTRA_SERVER_ARGS) - wheel.server_args_fields()
     assert not missing, f"ServerArgs has no field(s) {sorted(missing)}"
+
+
+@pytest.mark.network
+@pytest.mark.parametrize(
+    "method, keywords",
+    [
+        ("generate", ("input_ids", "sampling_params", "return_logprob", "rid")),
+        ("update_weights_from_tensor", ("named_tensors", "load_format", "flush_cache")),
+        ("release_memory_occupation", ("tags",)),
+        ("resume_memory_occupation", ("tags",)),
+        ("flush_cache", ()),
+        ("begin_weight_update", ()),
+        ("end_weight_update", ()),
+    ],
+)
+def test_engine_sync_methods_are_the_async_calls_we_make(wheel, method, keywords):
+    """The backend uses the tokenizer manager's coroutines instead of Engine's sync methods (which
+    run ``loop.run_until_complete`` and cannot run while the loop runs in our thread). Check that
+    each sync method exists with the documented keywords and is exactly that coroutine run on the
+    engine loop, so the two paths do the same thing."""
+    fn = wheel.method("sglang.srt.entrypoints.engine", f"Engine.{method}")
+    names, _ = _params(fn)
+    assert set(keywords) <= names, f"Engine.{method} lacks {sorted(set(keywords) - names)}"
+    target = "generate_request" if method == "generate" else method
+    called = {
+        n.func.attr
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Attribute)
+        and n.func.value.attr == "tokenizer_manager"
+    }
+    assert target in called, f"Engine.{method} no longer calls tokenizer_manager.{target}"
+    source = ast.unparse(fn)
+    assert "run_until_complete" in source

@@ -407,11 +407,15 @@ class MemoryPlan:
         x, out = self.inputs, []
         for item in self.biggest(4):
             name = item.name
-            if name.endswith("optimizer states") and not x.actor_optimizer[0].bits:
-                out.append(
-                    f"{name}: optimizer._component_=torchao.optim.AdamW8bit (~2 bytes/param "
-                    f"instead of {2 * x.master_bytes}) or torchao.optim.AdamW4bit (~1 byte/param)"
-                )
+            if name.endswith("optimizer states"):
+                critic = name.startswith("critic")
+                spec = (x.critic_optimizer if critic else x.actor_optimizer)[0]
+                key = "critic.optimizer._component_" if critic else "optimizer._component_"
+                if not spec.bits:
+                    out.append(
+                        f"{name}: {key}=torchao.optim.AdamW8bit (~2 bytes/param instead of "
+                        f"{2 * x.master_bytes}) or torchao.optim.AdamW4bit (~1 byte/param)"
+                    )
             elif name.endswith("activations"):
                 if not x.activation_checkpointing:
                     out.append(f"{name}: activation_checkpointing=true (keeps one input per block)")
@@ -692,7 +696,8 @@ def _args_from_hf_folder(path: Any, key: str) -> Any:
     if not cfg_file.is_file():
         raise ConfigError(
             f"memory plan: {key}={path!r} has no config.json (only config.json is read, no "
-            f"weights); download the model there, or set {key}=null to plan the model builder"
+            "weights); download the model there, or plan from a size builder instead: "
+            f"{key}=null 'model={{_component_: minippo.models.qwen3_4b}}'"
         )
     return model_args_from_hf_config(json.loads(cfg_file.read_text()))
 

@@ -384,3 +384,21 @@ def test_plan_command_prints_the_table_and_exit_code(capsys, tmp_path):
     args = parser.parse_args(["plan", "--config", str(path), "gpu_mem_gib=lots"])
     with pytest.raises(ConfigError, match="must be a number"):
         args.func(args)
+
+
+SHIPPED = {  # config -> (size builder standing in for its HF folder, ranks)
+    "qwen3_4b_dapo_math_8gpu": ("minippo.models.qwen3_4b", 8),
+    "qwen3_0_6b_gsm8k_1gpu": ("minippo.models.qwen3_0_6b", 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_gpu_configs_fit_their_gpus_with_activation_checkpointing(name):
+    if not (REPO / "configs" / f"{name}.yaml").exists():
+        pytest.skip(f"configs/{name}.yaml is not in this checkout")
+    builder, ranks = SHIPPED[name]
+    cfg = load_config(name, ["checkpoint_path=null", f"model={{_component_: {builder}}}"])
+    cfg.activation_checkpointing = True
+    plan = plan_from_config(cfg, gpu_mem_gib=80, world_size=ranks)
+    assert plan.inputs.device == "cuda"
+    assert plan.fits, plan.table()

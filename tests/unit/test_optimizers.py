@@ -8,15 +8,19 @@ slow tests.
 """
 
 import contextlib
+import json
+import math
 import os
+import runpy
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from minippo.config import ConfigError, instantiate
+from minippo.config import ConfigError, instantiate, load_config
 from minippo.models import Transformer, init_weights, qwen3_tiny
 from minippo.training.checkpoint import Checkpointer
 from minippo.training.optimizers import (
@@ -274,3 +278,53 @@ def test_fsdp2_dtensor_params_train_and_resume(tmp_path):
         expected = f"OptimState{bits}bit" if bits else "Tensor"
         assert local == local2 == expected, comp
         assert resumed == uninterrupted, comp
+
+
+# ---------------------------------------------------------------- the recipe with each optimizer
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE, TINY = REPO / "recipes" / "async_ppo.py", REPO / "configs" / "tiny_cpu.yaml"
+
+
+def _recipe_run(tmp_path, component: str, *extra: str) -> list[dict]:
+    recipe = runpy.run_path(str(RECIPE), run_name="recipe")["AsyncPPORecipe"]
+    node = f"{{_component_: {component}, lr: 3.0e-3, weight_decay: 0.0}}"
+    cfg = load_config(
+        TINY,
+        [
+            f"output_dir={tmp_path}",
+            "progress_bar=false",
+            "checkpoint.export_hf=false",
+            "checkpoint.every_n_steps=2",
+            f"optimizer={node}",
+            f"critic.optimizer={node}",
+            *extra,
+        ],
+    )
+    run = recipe(cfg)
+    try:
+        run.setup(cfg)
+        run.train()
+        kinds = {type(s["exp_avg"]).__name__ for s in run.optimizer.state.values()}
+    finally:
+        run.cleanup()
+    rows = [json.loads(x) for x in Path(cfg.metric_logger.path).read_text().splitlines()]
+    return rows, kinds
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (RECIPE.exists() and TINY.exists()), reason="needs the async_ppo recipe")
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_recipe_trains_and_resumes_with_each_optimizer(component, tmp_path):
+    """The tiny_cpu recipe, 4 steps (compiled torchao step), then a resume from the step-2
+    checkpoint that finishes the run with the low-bit states restored."""
+    rows, kinds = _recipe_run(tmp_path, component, "total_steps=4")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(math.isfinite(r["train/loss"]) for r in rows)
+    bits = optimizer_spec(_node(component))[0].bits
+    assert (f"OptimState{bits}bit" if bits else "Tensor") in kinds
+    (tmp_path / "metrics.jsonl").unlink()
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    rows, kinds = _recipe_run(tmp_path, component, "total_steps=4", f"resume_from={ckpt}")
+    assert [r["step"] for r in rows] == [2, 3]
+    assert (f"OptimState{bits}bit" if bits else "Tensor") in kinds

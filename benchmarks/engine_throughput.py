@@ -115,7 +115,9 @@ def main() -> None:
         for i, r in enumerate(requests)
     ]
     engine = TorchEngine(ours, in_process=not args.process, num_threads=args.threads)
-    no_compact = TorchEngine(ours, in_process=True, compact=False)
+    no_compact = TorchEngine(
+        ours, in_process=not args.process, num_threads=args.threads, compact=False
+    )
     hf_times, eng_times, comp_times, nocomp_times = [], [], [], []
     try:
         # interleaved runs so that both sides see the same load on shared cores; run 0 warms up

@@ -240,7 +240,11 @@ class _Server:
                 self._reply(call_id, self._abort_all())
                 return
             elif kind == "progress":
-                result = {r.request.request_id: len(r.token_ids) for r in self.active}
+                result = {
+                    r.request.request_id: len(r.token_ids)
+                    for r in self.active
+                    if r.finish_reason is None
+                }
                 result.update({r.request.request_id: 0 for r in self.waiting})
                 self._reply(call_id, result)
                 return

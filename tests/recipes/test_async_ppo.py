@@ -131,6 +131,11 @@ def test_every_correction_and_grpo_and_kl_run(tmp_path):
         "rollout_logprobs": [C + "RolloutLogprobs", "~correction.cap", "~correction.reset_below"],
         "tis": [C + "TIS", "~correction.reset_below"],
         "keep_old_actor": [C + "KeepOldActor", "~correction.reset_below"],
+        "keep_old_actor_partial": [
+            C + "KeepOldActor",
+            "~correction.reset_below",
+            "rollout.partial_rollout=true",
+        ],
         "loglinear_prox": [C + "LogLinearProx", "~correction.reset_below"],
         "none_sync": ["correction=null", "rollout.max_staleness=0"],
         "grpo_kl_loss": [
@@ -155,8 +160,9 @@ def test_every_correction_and_grpo_and_kl_run(tmp_path):
             math.isfinite(r["train/value_loss" if "grpo" not in name else "train/loss"])
             for r in rows
         )
-    kor = read_jsonl(tmp_path / "keep_old_actor" / "metrics.jsonl")
-    assert [r["correction/version_mismatches"] for r in kor] == [0.0, 0.0]
+    for name in ("keep_old_actor", "keep_old_actor_partial"):
+        kor = read_jsonl(tmp_path / name / "metrics.jsonl")
+        assert [r["correction/version_mismatches"] for r in kor] == [0.0, 0.0]
     grpo = read_jsonl(tmp_path / "grpo_kl_loss" / "metrics.jsonl")
     assert "train/value_loss" not in grpo[0] and "train/kl_mean" in grpo[0]
     warm = read_jsonl(tmp_path / "gae_kl_reward_warmup" / "metrics.jsonl")

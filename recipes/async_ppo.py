@@ -66,7 +66,7 @@ log = logging.getLogger("minippo.async_ppo")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def validate_config(cfg: DictConfig, world_size: int) -> None:
+def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) -> None:
     """Every shape and option check that needs no model, with the values and the fix."""
     r, ppo = cfg.rollout, cfg.ppo
     est = cfg.advantage_estimator
@@ -108,8 +108,15 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
             f"critic.warmup_steps ({cfg.critic.warmup_steps}) must be in [0, total_steps "
             f"({cfg.total_steps}))"
         )
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.dtype not in DTYPES or cfg.engine_dtype not in DTYPES:
+        raise ValueError(
+            f"dtype ({cfg.dtype!r}) and engine_dtype ({cfg.engine_dtype!r}) must be in {sorted(DTYPES)}"
+        )
+    if cfg.dtype != "fp32" and not distributed:
+        raise ValueError(
+            f"dtype={cfg.dtype} is FSDP2 mixed precision (fp32 master weights), which needs a "
+            "process group: run `minippo run --nproc-per-node 1 async_ppo ...`, or set dtype=fp32"
+        )
 
 
 class AsyncPPORecipe:
@@ -153,7 +160,7 @@ class AsyncPPORecipe:
         # Fail fast: the correction contract and every shape check, before any process group,
         # model, engine or dataset exists.
         validate_async_off_policy_correction(cfg)
-        validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), "RANK" in os.environ)
         self.cfg = cfg
         self.dist = init_distributed()
         self.rank, self.world_size, self.device = (
@@ -265,10 +272,8 @@ class AsyncPPORecipe:
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device)
-        if self.dist.distributed:
+        if self.dist.distributed:  # a plain single process trains unsharded, in fp32
             shard_model(model, param_dtype=DTYPES[self.cfg.dtype])
-        elif self.cfg.dtype != "fp32":
-            model = model.to(DTYPES[self.cfg.dtype])
         return model
 
     def _publish(self, version: int) -> None:
@@ -287,8 +292,9 @@ class AsyncPPORecipe:
         for step in range(self.start_step, self.total_steps):
             t_step = time.perf_counter()
             # step 0. the batch of this step (generated in the background)
-            rollouts = self._batch_ahead or self.queue.get_batch(step)
-            self._batch_ahead = None
+            rollouts, self._batch_ahead = self._batch_ahead, None  # taken at the last checkpoint
+            if rollouts is None:
+                rollouts = self.queue.get_batch(step)
             batch = rollouts.batch.to(self.device)
             mask = batch.response_mask
             metrics = dict(rollouts.metrics)
@@ -569,7 +575,7 @@ class AsyncPPORecipe:
                     shutil.copy(Path(src) / name, path / name)
 
     def cleanup(self) -> None:
-        for close in ("queue", "engine", "logger"):
+        for close in ("progress", "queue", "engine", "logger"):
             obj = getattr(self, close, None)
             if obj is not None:
                 (obj.shutdown if close == "engine" else obj.close)()

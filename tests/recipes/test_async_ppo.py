@@ -207,6 +207,7 @@ def test_bad_configs_fail_before_anything_is_built(tmp_path):
         "advantage_estimator=vtrace": "advantage_estimator must be 'gae' or 'grpo', got 'vtrace'",
         "kl.mode=both": "kl.mode ('both') 'reward' or 'loss'",
         "critic.warmup_steps=99": "critic.warmup_steps (99) must be in [0, total_steps (60))",
+        "dtype=bf16": "run `minippo run --nproc-per-node 1 async_ppo ...`, or set dtype=fp32",
     }
     for override, message in cases.items():
         cfg = load_config("tiny_cpu", [f"output_dir={out}", override])

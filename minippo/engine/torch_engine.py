@@ -90,7 +90,10 @@ def sample_next(
     cdf = e.double().cumsum_(dim=-1)  # cdf[:, -1] = Σ exp(z - zmax) in float64
     # logsumexp(z) = zmax + log Σ exp(z - zmax)
     lse = zmax.squeeze(-1).double() + cdf[:, -1].log()
-    tokens = z.argmax(dim=-1) if len(sampled_rows) < k else torch.empty(k, dtype=torch.long)
+    if len(sampled_rows) < k:
+        tokens = z.argmax(dim=-1)
+    else:
+        tokens = torch.empty(k, dtype=torch.long, device=logits.device)
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
         c = cdf if len(sampled_rows) == k else cdf[rows]
@@ -99,10 +102,12 @@ def sample_next(
                 e[rows] if len(sampled_rows) < k else e, top_k[rows], top_p[rows]
             )
             c = kept.double().cumsum_(dim=-1)
-        u = torch.cat([torch.rand(1, generator=generators[row]) for row in sampled_rows])
+        u = torch.cat(
+            [torch.rand(1, generator=generators[r], device=c.device) for r in sampled_rows]
+        )
         target = (u.to(c) * c[:, -1])[:, None]
         drawn = torch.searchsorted(c, target, right=True).squeeze(-1).clamp_(max=vocab - 1)
-        tokens[rows] = drawn.to(tokens.device)
+        tokens[rows] = drawn
     logprobs = (z.gather(-1, tokens[:, None]).squeeze(-1).double() - lse).float()
     return tokens, logprobs
 

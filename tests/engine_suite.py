@@ -3,9 +3,7 @@
 How to run it against a backend: subclass ``EngineProtocolSuite`` in a test module (its name must
 start with ``Test``) and give it a ``harness`` fixture returning an :class:`EngineHarness`::
 
-    import sys, pathlib
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the tests/ folder
-    from engine_suite import EngineHarness, EngineProtocolSuite
+    from tests.engine_suite import EngineHarness, EngineProtocolSuite
 
     class TestMyEngine(EngineProtocolSuite):
         @pytest.fixture

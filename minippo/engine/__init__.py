@@ -1,4 +1,5 @@
-"""Rollout engines: the protocol every backend implements, and the embedded TorchEngine."""
+"""Rollout engines: the protocol every backend implements, the embedded TorchEngine, and the
+SGLang backend (importing it is cheap: sglang itself is imported only when an engine starts)."""
 
 from minippo.engine.protocol import (
     FINISH_REASONS,
@@ -10,6 +11,7 @@ from minippo.engine.protocol import (
     WeightBucket,
     validate_requests,
 )
+from minippo.engine.sglang_engine import SGLangEngine
 from minippo.engine.torch_engine import TorchEngine
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "FinishReason",
     "GenerateRequest",
     "RolloutEngine",
+    "SGLangEngine",
     "SamplingParams",
     "TorchEngine",
     "WeightBucket",

@@ -5,9 +5,7 @@ Measured here (printed with -s): max |engine logprob - teacher-forced trainer lo
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +14,7 @@ from minippo.engine import GenerateRequest, SamplingParams
 from minippo.engine.torch_engine import TorchEngine, sample_next
 from minippo.models import Transformer, hf_name, init_weights, qwen3_tiny, token_logprobs
 from minippo.training.rollout_queue import collate_completions
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests/ folder
-from engine_suite import EngineHarness, EngineProtocolSuite
+from tests.engine_suite import EngineHarness, EngineProtocolSuite
 
 ARGS = qwen3_tiny()
 

@@ -21,7 +21,6 @@ import asyncio
 import itertools
 import json
 import math
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,9 +43,7 @@ from minippo.engine.sglang_engine import (
 from minippo.models import Transformer, init_weights, native_name, qwen3_tiny, token_logprobs
 from minippo.models.checkpoint import hf_config_from_model_args, model_args_from_hf_config
 from minippo.parallel import full_tensor_buckets
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests/ folder
-from engine_suite import EngineHarness, EngineProtocolSuite
+from tests.engine_suite import EngineHarness, EngineProtocolSuite
 
 ARGS = qwen3_tiny()
 EOS = 63  # the stand-in model's EOS id (config.json "eos_token_id")

@@ -1,0 +1,176 @@
+"""Helpers shared by the benchmark scripts: running the recipe through the CLI, reading its
+metrics, describing the machine, printing tables.
+
+Scripts in this folder run as ``python benchmarks/<name>.py``, so this module is imported as
+``_common`` (the script's folder is first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS_IMG = REPO / "docs" / "img"
+DEFAULT_OUT = Path(os.environ.get("TMPDIR", "/tmp")) / "minippo_bench"
+
+# Keys every benchmark run of the recipe sets: no progress bar, no periodic checkpoint or HF export
+# (the recipe still saves one checkpoint at the last step).
+QUIET_RUN = [
+    "progress_bar=false",
+    "checkpoint.every_n_steps=100000",
+    "checkpoint.export_hf=false",
+]
+
+
+@dataclass
+class RecipeRun:
+    """One finished ``minippo run async_ppo`` subprocess.
+
+    Fields:
+        overrides:  the key=value overrides it ran with.
+        out_dir:    its output_dir (metrics.jsonl inside).
+        returncode: exit status (0 = success).
+        wall_s:     wall-clock seconds of the whole process (start-up included).
+        maxrss_mib: peak resident set of the trainer process tree (``ru_maxrss`` from ``wait4``:
+                    the largest of the process and its reaped children, e.g. the engine process).
+        metrics:    one dict per logged step, in step order.
+        log_tail:   the last lines of stdout+stderr (for error reports).
+    """
+
+    overrides: list[str]
+    out_dir: Path
+    returncode: int
+    wall_s: float
+    maxrss_mib: float
+    metrics: list[dict] = field(default_factory=list)
+    log_tail: str = ""
+
+    def series(self, key: str) -> list[float]:
+        """The values of ``key`` per step (steps that did not log it are skipped)."""
+        return [float(m[key]) for m in self.metrics if key in m]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The step records of a JsonlLogger file (records without a ``step`` are skipped)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            if "step" in rec:
+                out.append(rec)
+    return sorted(out, key=lambda r: r["step"])
+
+
+def run_recipe(
+    overrides: Sequence[str],
+    out_dir: Path,
+    *,
+    config: str = "tiny_cpu",
+    threads: int = 1,
+    timeout: float = 1800.0,
+) -> RecipeRun:
+    """Run ``minippo run async_ppo --config <config> output_dir=<out_dir> <overrides>``.
+
+    ``threads`` sets OMP_NUM_THREADS / MKL_NUM_THREADS of the trainer process (the TorchEngine
+    process picks its own count: 1 on a 2-core machine). The peak RSS is read from ``wait4``'s
+    rusage of this very child, so several runs may execute in parallel threads.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics_file = out_dir / "metrics.jsonl"
+    if metrics_file.exists():
+        metrics_file.unlink()  # the JsonlLogger appends only on resume; start clean
+    cmd = [sys.executable, "-m", "minippo", "run", "async_ppo", "--config", config]
+    cmd += [f"output_dir={out_dir}", *QUIET_RUN, *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    log_path = out_dir / "run.log"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    tail = "\n".join(log_path.read_text().splitlines()[-15:])
+    return RecipeRun(
+        overrides=list(overrides),
+        out_dir=out_dir,
+        returncode=proc.returncode,
+        wall_s=wall,
+        maxrss_mib=usage.ru_maxrss / 1024,  # Linux: kilobytes
+        metrics=read_metrics(metrics_file),
+        log_tail=tail,
+    )
+
+
+def load_average() -> float:
+    """The 1-minute load average."""
+    return os.getloadavg()[0]
+
+
+def machine() -> str:
+    """One line: CPU model, cores, RAM, torch and Python versions, current load average."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        ram = f"{kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        ram = "RAM unknown"
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {ram}, torch {torch.__version__}, Python "
+        f"{platform.python_version()}, load average {load_average():.2f}"
+    )
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table; numbers right-aligned (columns whose first cell is a number)."""
+
+    def cell(x: object) -> str:
+        return f"{x:,.3g}" if isinstance(x, float) else str(x)
+
+    align = [
+        "---:" if rows and isinstance(rows[0][i], (int, float)) else "---"
+        for i in range(len(headers))
+    ]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def save_figure(fig, name: str, out_dir: Path, write_docs: bool) -> list[Path]:
+    """Save a matplotlib figure as ``<out_dir>/<name>`` and, with ``write_docs``, also as
+    ``docs/img/<name>``. Returns the paths written."""
+    paths = [Path(out_dir) / name]
+    if write_docs:
+        DOCS_IMG.mkdir(parents=True, exist_ok=True)
+        paths.append(DOCS_IMG / name)
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p, dpi=110, bbox_inches="tight")
+    return paths

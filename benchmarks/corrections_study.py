@@ -1,0 +1,402 @@
+"""The correction study at toy scale: behaviour-policy corrections under staleness and a
+train/inference discrepancy (docs/study.md).
+
+Every run is the real recipe through the CLI (``minippo run async_ppo --config tiny_cpu``), so
+nothing of the training loop is duplicated here; this script only sets overrides, runs the grid
+(several runs in parallel, one torch thread each) and reads each run's metrics.jsonl.
+
+Axes:
+    staleness    rollout.max_staleness (0 = the synchronous loop, where only ``none`` runs)
+    method       none (sync only), rollout_logprobs, tis, keep_old_actor, ewma (reset_below 0.8),
+                 ewma_noreset (reset_below 1e-9: a reset needs a retained fraction of exactly 0,
+                 i.e. it never fires), loglinear_prox
+    discrepancy  fp32: the engine computes in fp32 like the trainer (they agree to ~1e-6);
+                 bf16: the engine's copy of the model is bfloat16 (weights, activations and
+                 KV cache; sampling in fp32 from the bf16 logits), set with
+                 engine.dtype = pydoc.locate("torch.bfloat16") since the TorchEngine takes a
+                 torch.dtype; bf16_weights: engine_dtype=bf16 (what that key does: the published
+                 weights are rounded to bf16, the engine still computes in fp32)
+    seed         the run's seed (model init, prompts, sampling)
+
+Per cell (mean over seeds): final reward (mean of the last 5 steps), steps until the 5-step
+trailing mean reward reaches 80% of the synchronous baseline's final reward, collapses, mean
+retained fraction, PPO clip fraction, EWMA resets, mean |a - mu|, the measured staleness
+histogram (from each step's rollout/staleness_*), wall time, bytes held by the correction, peak RSS.
+
+    python benchmarks/corrections_study.py --quick                  # 2 short runs, seconds
+    python benchmarks/corrections_study.py --staleness 0 4 --seeds 3 --jobs 2 --write-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from _common import (
+    DEFAULT_OUT,
+    RecipeRun,
+    load_average,
+    machine,
+    markdown_table,
+    run_recipe,
+    save_figure,
+)
+
+C = "minippo.rl.correction."
+METHODS: dict[str, list[str]] = {
+    "none": ["~correction"],
+    "rollout_logprobs": ["~correction", f"+correction._component_={C}RolloutLogprobs"],
+    "tis": ["~correction", f"+correction._component_={C}TIS"],
+    "keep_old_actor": ["~correction", f"+correction._component_={C}KeepOldActor"],
+    "ewma": ["~correction", f"+correction._component_={C}EWMA", "+correction.reset_below=0.8"],
+    "ewma_noreset": [
+        "~correction",
+        f"+correction._component_={C}EWMA",
+        "+correction.reset_below=1e-9",
+    ],
+    "loglinear_prox": ["~correction", f"+correction._component_={C}LogLinearProx"],
+}
+DISCREPANCY: dict[str, list[str]] = {
+    "fp32": [],
+    "bf16": ["+engine.dtype._component_=pydoc.locate", "+engine.dtype.path=torch.bfloat16"],
+    "bf16_weights": ["engine_dtype=bf16"],
+}
+SMOOTH = 5  # steps of the trailing mean used for "steps to 80%" and collapse detection
+
+
+@dataclass(frozen=True)
+class Cell:
+    discrepancy: str
+    staleness: int
+    method: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.discrepancy}_s{self.staleness}_{self.method}"
+
+
+def cells(staleness: list[int], methods: list[str], discrepancies: list[str]) -> list[Cell]:
+    """The grid: staleness 0 runs only ``none`` (the synchronous baseline), async staleness runs
+    every other method (``none`` is refused for an async run with a critic)."""
+    out = []
+    for d in discrepancies:
+        for s in staleness:
+            for m in methods:
+                if (s == 0) == (m == "none"):
+                    out.append(Cell(d, s, m))
+    return out
+
+
+def overrides(cell: Cell, seed: int, steps: int, extra: list[str]) -> list[str]:
+    return [
+        f"seed={seed}",
+        f"total_steps={steps}",
+        f"rollout.max_staleness={cell.staleness}",
+        *METHODS[cell.method],
+        *DISCREPANCY[cell.discrepancy],
+        *extra,
+    ]
+
+
+# ------------------------------------------------------------------------------------ analysis
+def trailing_mean(xs: list[float], k: int = SMOOTH) -> list[float]:
+    return [statistics.fmean(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
+
+
+def steps_to(rewards: list[float], threshold: float) -> int | None:
+    """First step whose trailing mean reward reaches ``threshold`` (None if never)."""
+    for i, r in enumerate(trailing_mean(rewards)):
+        if r >= threshold:
+            return i
+    return None
+
+
+def collapsed(run: RecipeRun, *, floor: float = 0.3, drop: float = 0.5) -> bool:
+    """A failed run, or a trailing-mean reward that falls below ``drop`` x its running maximum
+    after that maximum exceeded ``floor``."""
+    if run.returncode != 0:
+        return True
+    best = 0.0
+    for r in trailing_mean(run.series("rollout/reward_mean")):
+        if best >= floor and r < drop * best:
+            return True
+        best = max(best, r)
+    return False
+
+
+def staleness_histogram(run: RecipeRun) -> tuple[Counter, bool]:
+    """{staleness: steps} from each step's rollout/staleness_mean, and whether every step's
+    tokens had one staleness (min == max; true without partial rollouts)."""
+    hist: Counter = Counter()
+    uniform = True
+    for m in run.metrics:
+        if "rollout/staleness_mean" in m:
+            hist[round(m["rollout/staleness_mean"])] += 1
+            uniform &= m["rollout/staleness_min"] == m["rollout/staleness_max"]
+    return hist, uniform
+
+
+def correction_bytes(run: RecipeRun) -> float:
+    """Largest bytes held by the correction at any step: snapshots or EWMA copy + swap buffer."""
+    keys = ("correction/snapshot_bytes", "correction/ewma_bytes", "correction/swap_buffer_bytes")
+    return max((sum(m.get(k, 0.0) for k in keys) for m in run.metrics), default=0.0)
+
+
+def mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def summarize(cell: Cell, runs: list[RecipeRun], reference: float) -> dict:
+    """The per-cell figures (means over seeds) of the table."""
+    ok = [r for r in runs if r.returncode == 0 and r.metrics]
+    final = [mean(r.series("rollout/reward_mean")[-SMOOTH:]) for r in ok]
+    reach = [steps_to(r.series("rollout/reward_mean"), 0.8 * reference) for r in ok]
+    reached = [s for s in reach if s is not None]
+    hist: Counter = Counter()
+    uniform = True
+    for r in ok:
+        h, u = staleness_histogram(r)
+        hist.update(h)
+        uniform &= u
+    clip = [
+        mean(
+            [
+                a + b
+                for a, b in zip(r.series("train/clip_frac_low"), r.series("train/clip_frac_high"))
+            ]
+        )
+        for r in ok
+    ]
+    return {
+        "cell": cell.name,
+        "discrepancy": cell.discrepancy,
+        "staleness": cell.staleness,
+        "method": cell.method,
+        "seeds": len(runs),
+        "failed": len(runs) - len(ok),
+        "final_reward": mean(final),
+        "final_reward_sd": statistics.stdev(final) if len(final) > 1 else 0.0,
+        "steps_to_80": mean([float(s) for s in reached]),
+        "reached_80": len(reached),
+        "collapses": sum(collapsed(r) for r in runs),
+        "retained": mean([mean(r.series("correction/retained_fraction")) for r in ok]),
+        "retained_min": min(
+            (min(r.series("correction/retained_fraction"), default=1.0) for r in ok), default=1.0
+        ),
+        "clip_frac": mean(clip),
+        "ewma_resets": mean([max(r.series("correction/ewma_resets"), default=0.0) for r in ok]),
+        "abs_diff": mean([mean(r.series("correction/abs_diff_mean")) for r in ok]),
+        "staleness_hist": dict(sorted(hist.items())),
+        "staleness_uniform": uniform,
+        "wall_s": mean([r.wall_s for r in runs]),
+        "step_s": mean([mean(r.series("perf/step_s")) for r in ok]),
+        "correction_bytes": max((correction_bytes(r) for r in ok), default=0.0),
+        "maxrss_mib": mean([r.maxrss_mib for r in runs]),
+        "final_rewards": final,
+    }
+
+
+def hist_text(h: dict) -> str:
+    return " ".join(f"{k}:{v}" for k, v in h.items())
+
+
+def table(rows: list[dict]) -> str:
+    headers = [
+        "staleness",
+        "method",
+        "final reward",
+        "steps to 80% (reached)",
+        "collapses",
+        "retained",
+        "clip frac",
+        "EWMA resets",
+        "mean |a-μ|",
+        "measured staleness (value:steps)",
+        "wall s/run",
+        "correction bytes",
+        "peak RSS MiB",
+    ]
+    body = []
+    for r in rows:
+        steps = "—" if math.isnan(r["steps_to_80"]) else f"{r['steps_to_80']:.0f}"
+        body.append(
+            [
+                r["staleness"],
+                r["method"],
+                f"{r['final_reward']:.3f} ± {r['final_reward_sd']:.3f}",
+                f"{steps} ({r['reached_80']}/{r['seeds'] - r['failed']})",
+                f"{r['collapses']}/{r['seeds']}",
+                f"{r['retained']:.3f}",
+                f"{r['clip_frac']:.3f}",
+                f"{r['ewma_resets']:.1f}" if r["method"].startswith("ewma") else "—",
+                f"{r['abs_diff']:.4f}",
+                hist_text(r["staleness_hist"]) + ("" if r["staleness_uniform"] else " (mixed)"),
+                f"{r['wall_s']:.0f}",
+                f"{r['correction_bytes']:,.0f}",
+                f"{r['maxrss_mib']:.0f}",
+            ]
+        )
+    return markdown_table(headers, body)
+
+
+# ------------------------------------------------------------------------------------ plots
+def plot(results: dict[Cell, list[RecipeRun]], out_dir: Path, write_docs: bool) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for disc in sorted({c.discrepancy for c in results}):
+        mine = {c: r for c, r in results.items() if c.discrepancy == disc}
+        stal = sorted({c.staleness for c in mine if c.staleness > 0})
+        sync = [r for c, rs in mine.items() if c.staleness == 0 for r in rs if r.metrics]
+        if not stal:
+            continue
+        fig, axes = plt.subplots(1, len(stal), figsize=(5 * len(stal), 3.6), squeeze=False)
+        for ax, s in zip(axes[0], stal):
+            for c in sorted((c for c in mine if c.staleness == s), key=lambda c: c.method):
+                _curve(ax, mine[c], "rollout/reward_mean", c.method)
+            if sync:
+                _curve(ax, sync, "rollout/reward_mean", "none (sync)", color="k", ls="--")
+            ax.set_title(f"max_staleness {s}, engine {disc}")
+            ax.set_xlabel("step")
+            ax.set_ylabel(f"reward ({SMOOTH}-step mean, mean of seeds)")
+            ax.set_ylim(0, 1)
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7, loc="lower right")
+        written += save_figure(fig, f"study_reward_{disc}.png", out_dir, write_docs)
+        plt.close(fig)
+
+        ewma = [c for c in mine if c.method in ("ewma", "ewma_noreset")]
+        if ewma:
+            es = sorted({c.staleness for c in ewma})
+            fig, axes = plt.subplots(1, len(es), figsize=(5 * len(es), 3.4), squeeze=False)
+            for ax, s in zip(axes[0], es):
+                for c in ewma:
+                    if c.staleness != s:
+                        continue
+                    label = "with reset" if c.method == "ewma" else "without reset"
+                    _curve(ax, mine[c], "correction/ewma_retained_before_reset", label, smooth=1)
+                ax.axhline(0.8, color="gray", lw=0.8, ls=":")
+                ax.set_title(f"EWMA mask retention, max_staleness {s}, engine {disc}")
+                ax.set_xlabel("step")
+                ax.set_ylabel("retained fraction (before reset)")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=8)
+            written += save_figure(fig, f"study_ewma_retention_{disc}.png", out_dir, write_docs)
+            plt.close(fig)
+    return written
+
+
+def _curve(ax, runs: list[RecipeRun], key: str, label: str, smooth: int = SMOOTH, **kw) -> None:
+    series = [trailing_mean(r.series(key), smooth) for r in runs if r.series(key)]
+    if not series:
+        return
+    n = min(len(s) for s in series)
+    avg = [statistics.fmean(s[i] for s in series) for i in range(n)]
+    lo = [min(s[i] for s in series) for i in range(n)]
+    hi = [max(s[i] for s in series) for i in range(n)]
+    (line,) = ax.plot(range(n), avg, label=label, lw=1.4, **kw)
+    ax.fill_between(range(n), lo, hi, color=line.get_color(), alpha=0.12)
+
+
+# ------------------------------------------------------------------------------------ main
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2 runs x 3 small steps (CI)")
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 2, 4, 8])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--discrepancy", nargs="+", default=["bf16"], choices=list(DISCREPANCY))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=60, help="total_steps of every run")
+    p.add_argument("--jobs", type=int, default=2, help="runs in parallel (one thread each)")
+    p.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every run")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT / "corrections_study")
+    p.add_argument("--resume", action="store_true", help="reuse finished runs found in --out")
+    p.add_argument("--write-docs", action="store_true", help="also save the PNGs in docs/img/")
+    args = p.parse_args()
+    extra = list(args.set)
+    if args.quick:
+        args.staleness, args.methods, args.seeds, args.steps = [0, 1], ["none", "ewma"], 1, 3
+        extra += ["rollout.groups_per_batch=8", "ppo.micro_batch_size=8"]
+        if args.out == DEFAULT_OUT / "corrections_study":
+            args.out = DEFAULT_OUT / "corrections_study_quick"
+        args.write_docs = False  # quick runs never touch docs/
+    if args.steps < SMOOTH:
+        print(f"note: --steps {args.steps} < {SMOOTH}: trailing means cover every step so far")
+
+    grid = cells(args.staleness, args.methods, args.discrepancy)
+    if not grid:
+        sys.exit(f"empty grid: staleness {args.staleness} x methods {args.methods}")
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    jobs = [(c, s) for s in seeds for c in grid]  # seed-major: a cut-short study has every cell
+    print(f"machine: {machine()}")
+    print(
+        f"{len(grid)} cells x {len(seeds)} seeds = {len(jobs)} runs of {args.steps} steps, "
+        f"{args.jobs} in parallel; output {args.out}"
+    )
+
+    def one(job: tuple[Cell, int]) -> tuple[Cell, RecipeRun]:
+        cell, seed = job
+        d = args.out / "runs" / cell.name / f"seed{seed}"
+        cached = d / "result.json"
+        if args.resume and cached.is_file():
+            data = json.loads(cached.read_text())
+            if data["returncode"] == 0 and len(data["metrics"]) == args.steps:
+                return cell, RecipeRun(**{**data, "out_dir": Path(data["out_dir"])})
+        run = run_recipe(overrides(cell, seed, args.steps, extra), d)
+        cached.write_text(json.dumps({**run.__dict__, "out_dir": str(run.out_dir)}))
+        status = "ok" if run.returncode == 0 else f"FAILED rc={run.returncode}"
+        print(
+            f"  {cell.name} seed {seed}: {status}, {run.wall_s:.0f} s, load {load_average():.1f}",
+            flush=True,
+        )
+        if run.returncode != 0:
+            print(run.log_tail, flush=True)
+        return cell, run
+
+    t0 = time.perf_counter()
+    results: dict[Cell, list[RecipeRun]] = {c: [] for c in grid}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for cell, run in pool.map(one, jobs):
+            results[cell].append(run)
+    print(f"grid done in {time.perf_counter() - t0:.0f} s; load average {load_average():.2f}")
+
+    rows = []
+    for disc in args.discrepancy:
+        base = [
+            mean(r.series("rollout/reward_mean")[-SMOOTH:])
+            for c, rs in results.items()
+            if c.discrepancy == disc and c.staleness == 0
+            for r in rs
+            if r.returncode == 0 and r.metrics
+        ]
+        # without a synchronous baseline in the grid, "80%" is of the best possible reward, 1.0
+        reference = mean(base) if base else 1.0
+        mine = [summarize(c, results[c], reference) for c in grid if c.discrepancy == disc]
+        rows += mine
+        print(
+            f"\n### engine {disc}: 80% threshold = 0.8 x {reference:.3f} "
+            f"({'synchronous baseline final reward' if base else 'max reward'})"
+        )
+        print(table(mine))
+    (args.out / "summary.json").write_text(json.dumps(rows, indent=1))
+    for path in plot(results, args.out, args.write_docs):
+        print(f"plot: {path}")
+    failed = sum(r["failed"] for r in rows)
+    if failed:
+        sys.exit(f"{failed} run(s) failed; see run.log in {args.out / 'runs'}")
+
+
+if __name__ == "__main__":
+    main()

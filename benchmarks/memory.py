@@ -1,0 +1,223 @@
+"""Memory of the behaviour-policy corrections: measured on the tiny job, planned for Qwen3-4B.
+
+1. Measured: the recipe (``minippo run async_ppo --config tiny_cpu``) once per correction method,
+   each in its own process; peak RSS of the trainer process tree from ``wait4``'s rusage
+   (``ru_maxrss``), the bytes the correction reports holding (correction/snapshot_bytes,
+   ewma_bytes, swap_buffer_bytes: largest over the steps), and the memory planner's correction
+   item (``minippo.training.memory_plan.plan_from_config`` on the same config) for the same model.
+   ``--dim/--layers`` swap the tiny model for a wider one (``model._component_=ModelArgs``) so
+   that the correction's bytes stand out of the RSS noise.
+2. Planned: the per-rank correction memory of Qwen3-4B on 8 GPUs (FSDP2, fp32 master weights)
+   per method and staleness, from ``plan_memory``, against the reference figures of Guan et al.
+   (exact snapshots ~40 GB host memory, PPO-EWMA ~7.9 GB, for a 4B model).
+
+    python benchmarks/memory.py --quick                       # tiny model, 2 methods, seconds
+    python benchmarks/memory.py --dim 256 --layers 8          # the figures in docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from _common import DEFAULT_OUT, load_average, machine, markdown_table, run_recipe
+
+from minippo.config import load_config
+from minippo.training.memory_plan import GiB, PlanInputs, plan_from_config, plan_memory
+from minippo.training.optimizers import optimizer_spec
+
+MiB = 1 << 20
+C = "minippo.rl.correction."
+METHODS: dict[str, list[str]] = {
+    "none (sync)": ["~correction"],
+    "rollout_logprobs": ["~correction", f"+correction._component_={C}RolloutLogprobs"],
+    "tis": ["~correction", f"+correction._component_={C}TIS"],
+    "loglinear_prox": ["~correction", f"+correction._component_={C}LogLinearProx"],
+    "ewma": ["~correction", f"+correction._component_={C}EWMA"],
+    "keep_old_actor": ["~correction", f"+correction._component_={C}KeepOldActor"],
+    "keep_old_actor bf16": [
+        "~correction",
+        f"+correction._component_={C}KeepOldActor",
+        "+correction.storage_dtype=bf16",
+    ],
+}
+BYTES_KEYS = ("correction/snapshot_bytes", "correction/ewma_bytes", "correction/swap_buffer_bytes")
+
+
+def model_overrides(dim: int | None, layers: int | None) -> list[str]:
+    """A wider Qwen3-style model for the tiny task (vocab 51 = TinyTokenizer), or nothing."""
+    if dim is None:
+        return []
+    heads = max(4, dim // 64)
+    return [
+        "model._component_=minippo.models.ModelArgs",
+        f"+model.dim={dim}",
+        f"+model.n_layers={layers or 2}",
+        f"+model.n_heads={heads}",
+        f"+model.n_kv_heads={heads // 2}",
+        f"+model.head_dim={dim // heads}",
+        f"+model.intermediate_size={3 * dim}",
+        "+model.tie_word_embeddings=true",
+    ]
+
+
+def measured(args) -> None:
+    base = [f"total_steps={args.steps}", *model_overrides(args.dim, args.layers)]
+    if args.quick:
+        base += ["rollout.groups_per_batch=8", "ppo.micro_batch_size=8"]
+    methods = ["none (sync)", "ewma"] if args.quick else list(METHODS)
+
+    def overrides(method: str) -> list[str]:
+        s = 0 if method.startswith("none") else args.staleness
+        return [*base, f"rollout.max_staleness={s}", *METHODS[method]]
+
+    def one(method: str):
+        d = args.out / method.replace(" ", "_").replace("(", "").replace(")", "")
+        return method, run_recipe(overrides(method), d)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        runs = dict(pool.map(one, methods))
+    bad = {m: r for m, r in runs.items() if r.returncode != 0}
+    if bad:
+        raise SystemExit("\n".join(f"{m} failed:\n{r.log_tail}" for m, r in bad.items()))
+
+    ref = runs.get("rollout_logprobs") or runs["none (sync)"]
+    numel = None
+    rows = []
+    for method, run in runs.items():
+        held = max(sum(m.get(k, 0.0) for k in BYTES_KEYS) for m in run.metrics)
+        cfg = load_config("tiny_cpu", [f"output_dir={run.out_dir}", *overrides(method)])
+        plan = plan_from_config(cfg)
+        item = next(i for i in plan.items if i.name.startswith("correction"))
+        planned = item.device + item.host
+        if numel is None:
+            numel = plan.items[0].device // 4  # actor parameters, fp32
+        rows.append(
+            [
+                method,
+                0 if method.startswith("none") else args.staleness,
+                f"{run.maxrss_mib:.0f}",
+                f"{run.maxrss_mib - ref.maxrss_mib:+.0f}",
+                f"{held / MiB:.2f}",
+                f"{planned / MiB:.2f}",
+                "yes" if abs(held - planned) <= 0.01 * max(planned, 1) else "NO",
+            ]
+        )
+    what = (
+        f"tiny_cpu model ({numel:,} parameters)"
+        if args.dim is None
+        else (
+            f"tiny_cpu task with a dim {args.dim}, {args.layers}-layer model ({numel:,} parameters, "
+            f"{numel * 4 / MiB:.1f} MiB fp32)"
+        )
+    )
+    print(f"{what}; {args.steps} steps per run, {args.jobs} run(s) in parallel")
+    heads = [
+        "method",
+        "max_staleness",
+        "peak RSS MiB",
+        f"vs {'rollout_logprobs' if ref is runs.get('rollout_logprobs') else 'sync'} MiB",
+        "held by the correction MiB (metrics)",
+        "planner MiB",
+        "held = planned",
+    ]
+    print(markdown_table(heads, rows))
+
+
+def planned_4b() -> None:
+    """Correction memory per rank / per node of Qwen3-4B on 8 GPUs, from the memory planner."""
+    from minippo.models import qwen3_4b
+
+    args = qwen3_4b()
+    adamw = optimizer_spec({"_component_": "torch.optim.AdamW"})
+    rows = []
+    cases = [("ewma", None, s) for s in (1, 4)] + [
+        ("keep_old_actor", b, s) for b in (None, 2) for s in (1, 2, 4)
+    ]
+    for method, snap, s in cases:
+        x = PlanInputs(
+            actor=args,
+            critic=None,
+            reference=False,
+            world_size=8,
+            device="cuda",
+            master_bytes=4,
+            compute_bytes=2,
+            micro_batch=1,
+            seq_len=10240,
+            response_len=8192,
+            activation_checkpointing=True,
+            logits_chunk=1024,
+            actor_optimizer=adamw,
+            critic_optimizer=adamw,
+            correction=method,
+            snapshot_bytes=snap,
+            max_staleness=s,
+            gpu_mem_bytes=80 * GiB,
+        )
+        item = next(i for i in plan_memory(x).items if i.name.startswith("correction"))
+        store = {None: "fp32", 2: "bf16"}[snap] if method == "keep_old_actor" else "fp32 θ̄"
+        rows.append(
+            [
+                method,
+                store,
+                s,
+                f"{item.device / GiB:.2f}",
+                f"{item.host / GiB:.2f}",
+                f"{8 * (item.device + item.host) / 1e9:.1f}",
+                "~40 GB host" if method == "keep_old_actor" else "~7.9 GB",
+            ]
+        )
+    n = plan_memory_numel(args)
+    print(
+        f"Qwen3-4B ({n / 1e9:.2f}B parameters), 8 ranks, FSDP2 fp32 master weights; planner "
+        "correction item (snapshots in pinned host memory)"
+    )
+    heads = [
+        "method",
+        "stored as",
+        "max_staleness",
+        "per rank GPU GiB",
+        "per rank host GiB",
+        "per node GB",
+        "Guan et al. (4B)",
+    ]
+    print(markdown_table(heads, rows))
+
+
+def plan_memory_numel(args) -> int:
+    from minippo.training.memory_plan import model_param_shapes
+
+    total = 0
+    for shape in model_param_shapes(args):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, 2 methods, 3 steps")
+    p.add_argument("--dim", type=int, default=None, help="hidden size of a wider model")
+    p.add_argument("--layers", type=int, default=None, help="layers of the wider model")
+    p.add_argument("--staleness", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT / "memory")
+    args = p.parse_args()
+    if args.quick:
+        args.dim = args.layers = None
+        args.steps = 3
+        args.out = args.out.with_name("memory_quick")
+    print(f"machine: {machine()}")
+    print(f"\n## 1. measured per method (load average {load_average():.2f})")
+    measured(args)
+    print("\n## 2. planned: Qwen3-4B on 8 GPUs")
+    planned_4b()
+
+
+if __name__ == "__main__":
+    main()

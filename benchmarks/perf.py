@@ -1,0 +1,288 @@
+"""The performance figures of DESIGN.md "Numbers that matter", each a ratio measured side by side
+in one run (both sides interleaved, so that a busy machine slows both alike).
+
+1. engine:     TorchEngine decode tokens/s vs HF transformers ``generate()`` (goal >= 2x);
+               the measurement functions of benchmarks/engine_throughput.py.
+2. async:      the recipe on tiny_cpu with max_staleness=1 vs max_staleness=0, otherwise
+               identical, steps/s (goal >= 1.6x when rollout time ~ training time). The phase
+               times of both runs come from the metrics (perf/*, rollout/gen_time_s).
+3. correction: EWMA update and snapshot save/swap vs a plain copy of the same bytes
+               (goal <= 1.5x); benchmarks/correction_cost.py's paired timing.
+4. ppo update: tokens/s of one PPO update (forward + backward + optimizer step) of minippo
+               (Transformer + chunked token_logprobs + rl.policy_loss) vs a straightforward
+               transformers implementation (Qwen3ForCausalLM, full [B, S, V] logits,
+               log_softmax + gather, the same clipped loss written out), same weights, batch,
+               optimizer (torch.optim.AdamW) and torch threads.
+
+    python benchmarks/perf.py --quick       # seconds
+    python benchmarks/perf.py               # the figures in docs/benchmarks.md
+    python benchmarks/perf.py --only ppo    # one section (engine, async, correction, ppo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from _common import DEFAULT_OUT, load_average, machine, markdown_table, run_recipe
+
+SECTIONS = ("engine", "async", "correction", "ppo")
+
+
+# ------------------------------------------------------------------------------ 1. engine
+def engine_vs_hf(quick: bool, threads: int) -> list[list]:
+    import engine_throughput as et
+
+    from minippo.engine import GenerateRequest, SamplingParams, TorchEngine
+    from minippo.models import from_pretrained
+
+    batch, prompt_len, new, repeats = (8, 16, 16, 1) if quick else (32, 32, 128, 3)
+    hf = et.build_hf_model(vocab=32_000, dim=256, layers=4, seed=0)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = from_pretrained(d, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, 32_000, (batch, prompt_len), generator=gen)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new)
+    requests = [
+        GenerateRequest(p.tolist(), replace(params, seed=i), f"r{i}") for i, p in enumerate(prompts)
+    ]
+    engine = TorchEngine(ours, in_process=True, num_threads=threads)
+    hf_t, eng_t = [], []
+    try:
+        for r in range(repeats + 1):  # run 0 warms up
+            t_hf = et.run_hf(hf, prompts, new, seed=r)
+            t_eng, n = et.run_engine(engine, requests)
+            assert n == batch * new, (n, batch * new)
+            if r:
+                hf_t.append(t_hf)
+                eng_t.append(t_eng)
+    finally:
+        engine.shutdown()
+    total = batch * new
+    hf_tps, eng_tps = total / statistics.median(hf_t), total / statistics.median(eng_t)
+    print(
+        f"Qwen3 4 layers, hidden 256, vocab 32000, fp32; batch {batch} x {prompt_len} prompt "
+        f"tokens, {new} new tokens, T=1; {threads} thread(s); median of {repeats}"
+    )
+    return [["engine decode tokens/s", f"{eng_tps:.0f}", f"{hf_tps:.0f}", eng_tps / hf_tps, ">= 2"]]
+
+
+# ------------------------------------------------------------------------------ 2. async
+def async_vs_sync(quick: bool, threads: int, new_tokens: int, out: Path) -> list[list]:
+    """Steps/s of the recipe at max_staleness 1 vs 0 (interleaved runs, medians of steps)."""
+    steps, warm, repeats = (3, 1, 1) if quick else (40, 5, 2)
+    common = [
+        f"total_steps={steps}",
+        "rollout.stop_at_eos=false",  # fixed-length responses: the same work in every step
+        f"rollout.max_new_tokens={new_tokens}",
+    ]
+    if quick:
+        common += ["rollout.groups_per_batch=8", "ppo.micro_batch_size=8"]
+    per = {0: [], 1: []}
+    phases = {0: [], 1: []}
+    for rep in range(repeats):
+        for s in (0, 1):
+            run = run_recipe(
+                [*common, f"rollout.max_staleness={s}"], out / f"async_s{s}_r{rep}", threads=threads
+            )
+            if run.returncode != 0:
+                raise RuntimeError(f"recipe run failed (max_staleness={s}):\n{run.log_tail}")
+            step_s = run.series("perf/step_s")[warm:]
+            per[s].append(len(step_s) / sum(step_s))
+            phases[s].append(
+                {
+                    k: statistics.median(run.series(k)[warm:])
+                    for k in (
+                        "rollout/gen_time_s",
+                        "perf/rewards_and_wait_s",
+                        "perf/prepare_s",
+                        "perf/train_s",
+                        "perf/publish_s",
+                        "perf/step_s",
+                    )
+                }
+            )
+    sync, asyn = statistics.median(per[0]), statistics.median(per[1])
+    print(
+        f"tiny_cpu, {new_tokens} new tokens per response (no stop), {steps} steps per run, first "
+        f"{warm} skipped, {repeats} run(s) per setting interleaved; trainer {threads} thread(s), "
+        "engine process 1 thread"
+    )
+    heads = [
+        "max_staleness",
+        "steps/s",
+        "generate s",
+        "wait s",
+        "prepare s",
+        "train s",
+        "publish s",
+        "step s",
+    ]
+    rows = []
+    for s in (0, 1):
+        ph = {k: statistics.median(p[k] for p in phases[s]) for k in phases[s][0]}
+        rows.append([s, f"{statistics.median(per[s]):.3f}", *(f"{v:.3f}" for v in ph.values())])
+    print(markdown_table(heads, rows))
+    ph0 = {k: statistics.median(p[k] for p in phases[0]) for k in phases[0][0]}
+    train = ph0["perf/prepare_s"] + ph0["perf/train_s"] + ph0["perf/publish_s"]
+    print(
+        f"synchronous run: rollout {ph0['rollout/gen_time_s']:.3f} s vs training "
+        f"(prepare + train + publish) {train:.3f} s per step: ratio "
+        f"{ph0['rollout/gen_time_s'] / train:.2f}"
+    )
+    return [["async / sync steps/s", f"{asyn:.3f}", f"{sync:.3f}", asyn / sync, ">= 1.6"]]
+
+
+# ------------------------------------------------------------------------------ 3. correction
+def correction_vs_copy(quick: bool) -> list[list]:
+    import correction_cost as cc
+
+    rows = []
+    for name, t, ratio in cc.copy_costs(quick):
+        if "cycle" in name:  # 3 copies against 1: only the per-copy ratio compares like with like
+            continue
+        name = "snapshot swap, per copy" if "per copy" in name else name
+        rows.append([name, f"{t * 1e3:.1f} ms", "plain copy", ratio, "<= 1.5"])
+    return rows
+
+
+# ------------------------------------------------------------------------------ 4. ppo update
+def ppo_batch(B: int, P: int, R: int, vocab: int, seed: int = 0) -> dict:
+    """Left-padded prompts (lengths P/2..P) | right-padded responses (lengths R/2..R)."""
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(P // 2, P + 1, (B,), generator=g)
+    rlen = torch.randint(R // 2, R + 1, (B,), generator=g)
+    ids = torch.randint(1, vocab, (B, P + R), generator=g)
+    col = torch.arange(P + R)
+    attn = (col >= P - plen[:, None]) & (col < P + rlen[:, None])
+    ids = ids * attn
+    pos = (attn.long().cumsum(-1) - 1).clamp(min=0) * attn
+    resp = attn[:, P:].float()
+    adv = torch.randn(B, R, generator=g) * resp
+    return {"ids": ids, "attn": attn, "pos": pos, "resp": resp, "adv": adv, "P": P}
+
+
+def hf_logprobs(model, b: dict) -> torch.Tensor:
+    """Straightforward logprobs: full [B, S, V] logits, log_softmax, gather. [B, R]"""
+    logits = model(
+        input_ids=b["ids"], attention_mask=b["attn"].long(), position_ids=b["pos"]
+    ).logits.float()
+    P = b["P"]
+    logp = torch.log_softmax(logits[:, P - 1 : -1], dim=-1)
+    return logp.gather(-1, b["ids"][:, P:, None]).squeeze(-1)
+
+
+def hf_ppo_loss(logp, old, adv, mask, eps=0.2) -> torch.Tensor:
+    """The clipped PPO loss written out: token mean of max(-r A, -clip(r, 1-eps, 1+eps) A)."""
+    ratio = torch.exp(logp - old)
+    per_token = torch.maximum(-ratio * adv, -ratio.clamp(1 - eps, 1 + eps) * adv)
+    return (per_token * mask).sum() / mask.sum()
+
+
+def ppo_update(quick: bool, threads: int) -> list[list]:
+    import engine_throughput as et
+
+    from minippo.models import from_pretrained, token_logprobs
+    from minippo.rl import policy_loss
+
+    vocab, dim, layers = (8_000, 128, 2) if quick else (32_000, 256, 4)
+    B, P, R = (4, 16, 32) if quick else (8, 64, 192)
+    iters = 2 if quick else 5
+    hf = et.build_hf_model(vocab=vocab, dim=dim, layers=layers, seed=0).train()
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = from_pretrained(d, dtype=torch.float32).train()
+    b = ppo_batch(B, P, R, vocab)
+    with torch.no_grad():
+        old = token_logprobs(
+            ours, b["ids"], attention_mask=b["attn"], position_ids=b["pos"], start=P
+        )
+        diff = float(((old - hf_logprobs(hf, b)).abs() * b["resp"]).max())
+    old = old * b["resp"]
+
+    def step_ours(opt):
+        opt.zero_grad(set_to_none=True)
+        logp = token_logprobs(
+            ours, b["ids"], attention_mask=b["attn"], position_ids=b["pos"], start=P
+        )
+        loss, _ = policy_loss(logp, old, b["adv"], b["resp"])
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    def step_hf(opt):
+        opt.zero_grad(set_to_none=True)
+        loss = hf_ppo_loss(hf_logprobs(hf, b), old, b["adv"], b["resp"])
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-5)
+    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-5)
+    l_ours, l_hf = step_ours(opt_ours), step_hf(opt_hf)  # warm-up; the first losses must agree
+    t_ours, t_hf = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step_hf(opt_hf)
+        t1 = time.perf_counter()
+        step_ours(opt_ours)
+        t2 = time.perf_counter()
+        t_hf.append(t1 - t0)
+        t_ours.append(t2 - t1)
+    tokens = int(b["attn"].sum())
+    ours_tps = tokens / statistics.median(t_ours)
+    hf_tps = tokens / statistics.median(t_hf)
+    print(
+        f"Qwen3 {layers} layers, hidden {dim}, vocab {vocab}, fp32; batch {B} x (prompt <= {P} "
+        f"| response <= {R}), {tokens} real tokens; AdamW; {threads} thread(s); median of {iters}"
+    )
+    print(
+        f"agreement: max |logprob diff| {diff:.1e}; first-step loss ours {l_ours:.6f} vs "
+        f"HF {l_hf:.6f}"
+    )
+    return [["PPO update tokens/s", f"{ours_tps:.0f}", f"{hf_tps:.0f}", ours_tps / hf_tps, "—"]]
+
+
+# ------------------------------------------------------------------------------ main
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes, seconds")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--threads", type=int, default=1, help="torch threads of every measured side")
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        default=48,
+        help="response length of the async/sync runs (sets rollout time ~ training time)",
+    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT / "perf")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"machine: {machine()}")
+    rows = []
+    for section in SECTIONS:
+        if section not in args.only:
+            continue
+        print(f"\n## {section} (load average {load_average():.2f})")
+        if section == "engine":
+            rows += engine_vs_hf(args.quick, args.threads)
+        elif section == "async":
+            new = 4 if args.quick else args.new_tokens
+            rows += async_vs_sync(args.quick, args.threads, new, args.out)
+        elif section == "correction":
+            rows += correction_vs_copy(args.quick)
+        else:
+            rows += ppo_update(args.quick, args.threads)
+    print(f"\n## summary (load average at the end {load_average():.2f})")
+    print(markdown_table(["figure", "ours", "baseline", "ratio", "goal"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Every benchmark script runs in its ``--quick`` mode and prints its table, so none of them rots.
+
+Each script runs in a subprocess (with a timeout) from the repository root; scratch output goes to
+a temporary TMPDIR. Scripts whose quick mode takes longer than ~20 s on an unloaded 2-core machine
+are marked ``slow`` (run them with ``pytest -m slow``), which keeps the default total of these
+tests under ~90 s.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+
+# What each script's table must contain (scripts not listed only need a table-like output).
+MARKERS = {
+    "corrections_study.py": ["| staleness | method | final reward", "| 0 | none |", "| 1 | ewma |"],
+    "perf.py": [
+        "| figure | ours | baseline | ratio | goal |",
+        "engine decode tokens/s",
+        "async / sync steps/s",
+        "EWMA update",
+        "PPO update tokens/s",
+    ],
+    "memory.py": ["| method | max_staleness | peak RSS MiB", "| keep_old_actor | fp32 | 1 |"],
+    "engine_throughput.py": ["ratio TorchEngine / HF"],
+    "correction_cost.py": ["EWMA update", "snapshot save"],
+    "logprob_memory.py": ["| naive |", "| chunked |"],
+}
+# Quick modes slower than ~20 s on an unloaded 2-core machine (measured; see docs/benchmarks.md).
+SLOW = {"optimizer_memory.py", "correction_cost.py", "perf.py", "memory.py"}
+TIMEOUT_S = 900
+
+
+def _table_like(text: str) -> bool:
+    """A markdown table row, or two lines that each hold at least two numbers."""
+    lines = text.splitlines()
+    if any(line.startswith("|") and line.count("|") >= 3 for line in lines):
+        return True
+    numeric = [line for line in lines if len(re.findall(r"\d+\.?\d*", line)) >= 2]
+    return len(numeric) >= 2
+
+
+def test_every_script_is_covered():
+    assert {"corrections_study.py", "perf.py", "memory.py"} <= set(SCRIPTS), SCRIPTS
+    assert set(MARKERS) <= set(SCRIPTS) | {"optimizer_memory.py"}
+
+
+@pytest.mark.parametrize(
+    "script",
+    [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in SCRIPTS],
+)
+def test_quick_mode_runs_and_prints_its_table(script, tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "benchmarks" / script), "--quick"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(
+            f"{script} --quick did not finish in {TIMEOUT_S} s:\n{(e.stdout or '')[-3000:]}"
+        )
+    out = proc.stdout
+    assert proc.returncode == 0, (
+        f"{script} --quick exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    )
+    assert _table_like(out), f"{script} --quick printed no table:\n{out[-3000:]}"
+    for marker in MARKERS.get(script, []):
+        assert marker in out, f"{script} --quick output lacks {marker!r}:\n{out[-3000:]}"

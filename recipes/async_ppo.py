@@ -242,13 +242,7 @@ class AsyncPPORecipe:
         self._publish(self.start_step)
         self.queue.start()
 
-        self.logger = NoOpLogger()
-        if self.is_main:  # a resumed run appends to the jsonl instead of starting it again
-            takes_append = (
-                "append" in inspect.signature(locate(cfg.metric_logger._component_)).parameters
-            )
-            kw = {"append": True} if (resume is not None and takes_append) else {}
-            self.logger = instantiate(cfg.metric_logger, **kw)
+        self.logger = instantiate(cfg.metric_logger) if self.is_main else NoOpLogger()
         self.logger.log_config(OmegaConf.to_container(cfg, resolve=True))
         self.progress = ProgressBar(
             self.total_steps, self.start_step, enabled=self.is_main and cfg.progress_bar

@@ -83,19 +83,39 @@ class JsonlLogger:
     Line format: ``{"step": 3, "train/loss": 0.12, ...}``; non-finite values are written as the
     strings ``"nan"`` / ``"inf"`` / ``"-inf"`` so that every line is strict JSON.
 
+    Resuming: the first ``log(metrics, step=s)`` keeps the rows of an existing file with a step
+    below ``s`` and drops the others. A fresh run (first step 0) therefore starts the file anew,
+    and a run resumed at step ``s`` continues it without duplicating the rows that the interrupted
+    run logged after its last checkpoint.
+
     Args:
         path: the .jsonl file.
-        append: keep an existing file and add to it (a resumed run); otherwise start it empty.
     """
 
-    def __init__(self, path: str | os.PathLike, *, append: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+        self._file: IO[str] | None = None
+        self._closed = False
+
+    def _open(self, first_step: int) -> IO[str]:
+        kept = []
+        if self.path.is_file():
+            with open(self.path, encoding="utf-8") as f:
+                kept = [
+                    line for line in f if line.strip() and json.loads(line)["step"] < first_step
+                ]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+        return open(self.path, "a", encoding="utf-8")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self._file is None:
+        if self._closed:
             raise RuntimeError(f"JsonlLogger({self.path}) is closed")
+        if self._file is None:
+            self._file = self._open(int(step))
         row: dict[str, Any] = {"step": int(step)}
         row.update({k: _json_float(_to_float(k, v)) for k, v in metrics.items()})
         self._file.write(json.dumps(row) + "\n")
@@ -107,6 +127,7 @@ class JsonlLogger:
             json.dump(config, f, indent=2, default=str)
 
     def close(self) -> None:
+        self._closed = True
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -108,8 +108,9 @@ PINNED_LAST = {
 
 def test_cli_run_pinned_metrics(tmp_path):
     out = tmp_path / "run"
+    small = [x for x in SMALL if x != "checkpoint.export_hf=false"]
     proc = cli(
-        "run", "async_ppo", "--config", "tiny_cpu", "total_steps=3", f"output_dir={out}", *SMALL
+        "run", "async_ppo", "--config", "tiny_cpu", "total_steps=3", f"output_dir={out}", *small
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"metrics: {out / 'metrics.jsonl'}" in proc.stdout
@@ -123,6 +124,13 @@ def test_cli_run_pinned_metrics(tmp_path):
     assert [r["rollout/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0]
     assert rows[-1]["correction/ewma_resets"] == 0.0
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    # the HF export is the final actor, bit for bit
+    from minippo.models import from_pretrained
+
+    exported = from_pretrained(out / "hf_export").state_dict()
+    saved = _actor_weights(out / "checkpoints" / "step_000003", tmp_path)
+    for k, v in saved.items():
+        assert torch.equal(exported[k], v), k
 
 
 def test_every_correction_and_grpo_and_kl_run(tmp_path):

@@ -37,17 +37,24 @@ def test_jsonl_round_trip_with_tensors_and_non_finite(tmp_path):
     assert json.loads((tmp_path / "sub" / "metrics_config.json").read_text())["seed"] == 1
 
 
-def test_jsonl_append_keeps_rows_and_rejects_non_numbers(tmp_path):
+def test_jsonl_resume_keeps_earlier_rows_and_rejects_non_numbers(tmp_path):
     path = tmp_path / "m.jsonl"
-    JsonlLogger(path).log({"a": 1.0}, step=0)
-    lg = JsonlLogger(path, append=True)
-    lg.log({"a": 2.0}, step=1)
-    with pytest.raises(TypeError, match="metric 'a' has a value of type str"):
-        lg.log({"a": "x"}, step=2)
+    lg = JsonlLogger(path)
+    for s in range(4):  # an interrupted run logged steps 0..3, its last checkpoint was at step 2
+        lg.log({"a": float(s)}, step=s)
     lg.close()
-    assert [r["a"] for r in read_jsonl(path)] == [1.0, 2.0]
+    lg = JsonlLogger(path)  # resumed at step 2: rows 2 and 3 are replaced, 0 and 1 kept
+    lg.log({"a": 20.0}, step=2)
+    with pytest.raises(TypeError, match="metric 'a' has a value of type str"):
+        lg.log({"a": "x"}, step=3)
+    lg.close()
+    assert [(r["step"], r["a"]) for r in read_jsonl(path)] == [(0, 0.0), (1, 1.0), (2, 20.0)]
     with pytest.raises(RuntimeError, match="closed"):
         lg.log({"a": 1.0}, step=3)
+    fresh = JsonlLogger(path)  # a fresh run (first step 0) starts the file anew
+    fresh.log({"a": 5.0}, step=0)
+    fresh.close()
+    assert [r["a"] for r in read_jsonl(path)] == [5.0]
 
 
 def test_stdout_and_multi_logger():

@@ -193,6 +193,11 @@ class AsyncPPORecipe:
         # Models: built in full on CPU (random init or an HF folder), the engine copies the
         # actor, then each model moves to the device and is sharded (under torchrun).
         actor = self._build_model(cfg, critic=False)
+        if actor.args.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(
+                f"the model's vocab_size ({actor.args.vocab_size}) is smaller than the tokenizer's "
+                f"({self.tokenizer.vocab_size}); set model.vocab_size={self.tokenizer.vocab_size}"
+            )
         self.engine = self._build_engine(cfg, actor)
         self.actor = self._place(actor)
         self.critic = self._place(self._build_model(cfg, critic=True)) if self.use_critic else None

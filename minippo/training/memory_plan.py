@@ -23,11 +23,15 @@ bytes; T = micro_batch · seq_len tokens, R = micro_batch · response_len scored
                           keep_old_actor: live versions · P · storage bytes (+ P · m swap buffer)
                           in host memory ("cpu", the default) or on the device ("accelerator");
                           live versions = max_staleness + 1 (+ 1 with partial rollouts)
+    no-grad passes        reference logprobs / critic values / correction anchors before the updates:
+                          one forward's working set (``scoring_bytes``) over score_rows sequences
     engine                engine.mem_fraction · GPU memory (SGLang's static pool: weights + KV)
     CUDA context          1 GiB reserved for the CUDA context and allocator slack (GPU only)
 
 Actor and critic run their backward passes one after the other, so only the larger of their
-activation sets is counted at the peak.
+activation sets is counted at the peak. Gradients and training activations (the "train" phase)
+and the no-grad passes (the "score" phase) are never alive together: the peak is the larger
+phase on top of everything else.
 
 Measuring on CPU: :class:`TensorMemoryTracker` counts the bytes of every live tensor storage
 (created under it or registered with ``track``) and records the peak; the plan's
@@ -71,6 +75,7 @@ __all__ = [
     "plan_from_config",
     "plan_inputs_from_config",
     "plan_memory",
+    "scoring_bytes",
 ]
 
 GiB = 1 << 30
@@ -328,6 +333,7 @@ class PlanInputs:
         snapshot_storage:        "cpu" or "accelerator" (keep_old_actor)
         snapshot_bytes:          bytes per element of a snapshot (None: master_bytes)
         max_staleness, partial_rollout
+        score_rows:              sequences per forward of the no-grad passes (None: micro_batch)
         engine_mem_fraction:     fraction of GPU memory the engine takes (GPU only)
         engine_sleeps:           SGLang memory_mode "sleep": the engine releases its memory while
                                  the trainer trains (not counted at the peak)
@@ -355,6 +361,7 @@ class PlanInputs:
     snapshot_bytes: int | None = None
     max_staleness: int = 0
     partial_rollout: bool = False
+    score_rows: int | None = None
     engine_mem_fraction: float | None = None
     engine_sleeps: bool = False
     engine_weights_host_copy: bool = False
@@ -371,6 +378,7 @@ class PlanItem:
     host: int = 0
     note: str = ""
     at_peak: bool = True  # False: listed, but not alive at the same time as the larger twin
+    phase: str = "all"  # "train": only during PPO updates; "score": only in the no-grad passes
 
 
 @dataclass
@@ -378,16 +386,34 @@ class MemoryPlan:
     inputs: PlanInputs
     items: list[PlanItem] = field(default_factory=list)
 
+    def _phase_device(self, phase: str, engine: bool) -> int:
+        return sum(
+            i.device
+            for i in self.items
+            if i.at_peak and i.phase == phase and (engine or not i.name.startswith("engine"))
+        )
+
+    def _device(self, engine: bool) -> int:
+        # gradients and training activations are freed before the no-grad passes of the next
+        # step and vice versa: the peak is the larger of the two phases
+        train, score = self._phase_device("train", engine), self._phase_device("score", engine)
+        return self._phase_device("all", engine) + max(train, score)
+
+    @property
+    def peak_phase(self) -> str:
+        """ "train" (PPO updates) or "score" (the no-grad passes), whichever peaks."""
+        train, score = self._phase_device("train", True), self._phase_device("score", True)
+        return "train" if train >= score else "score"
+
     @property
     def trainer_total(self) -> int:
-        """Trainer bytes at the peak (the backward of the larger model) in the memory the device
-        uses: GPU memory on CUDA runs; on CPU runs RAM, where host items live too."""
-        dev = sum(i.device for i in self.items if i.at_peak and not i.name.startswith("engine"))
-        return dev + (self.host_total if self.inputs.device == "cpu" else 0)
+        """Trainer bytes at the peak in the memory the device uses: GPU memory on CUDA runs; on
+        CPU runs RAM, where host items live too."""
+        return self._device(False) + (self.host_total if self.inputs.device == "cpu" else 0)
 
     @property
     def device_total(self) -> int:
-        return sum(i.device for i in self.items if i.at_peak)
+        return self._device(True)
 
     @property
     def host_total(self) -> int:
@@ -399,7 +425,13 @@ class MemoryPlan:
         return None if g is None else self.device_total <= g
 
     def biggest(self, n: int = 3) -> list[PlanItem]:
-        items = [i for i in self.items if i.at_peak and not i.name.startswith(("engine", "CUDA"))]
+        items = [
+            i
+            for i in self.items
+            if i.at_peak
+            and i.phase in ("all", self.peak_phase)
+            and not i.name.startswith(("engine", "CUDA"))
+        ]
         return sorted(items, key=lambda i: -i.device)[:n]
 
     def advice(self) -> list[str]:
@@ -426,6 +458,11 @@ class MemoryPlan:
                         f"{name}: the padding mask costs c·S² per sequence and block; shorter "
                         "max sequence length reduces it quadratically"
                     )
+            elif name.startswith("no-grad"):
+                out.append(
+                    f"{name}: score the batch in micro-batches (now {x.score_rows or x.micro_batch} "
+                    "sequences per forward)"
+                )
             elif name.startswith("correction") and item.device:
                 if x.correction == "keep_old_actor":
                     out.append(f"{name}: correction.storage=cpu (snapshots in host memory)")
@@ -467,13 +504,17 @@ class MemoryPlan:
             f"{'item':<30}{where + ' ' + unit:>10}{'host ' + unit:>10}  note",
         ]
         for i in self.items:
-            dev = fmt(i.device) + ("" if i.at_peak else "*")
+            dev = fmt(i.device) + ("" if i.at_peak and i.phase in ("all", self.peak_phase) else "*")
             lines.append(f"{i.name:<30}{dev:>10}{fmt(i.host):>10}  {i.note}")
         lines.append("-" * 60)
         lines.append(f"{'trainer total':<30}{fmt(self.trainer_total):>10}")
         lines.append(f"{'total':<30}{fmt(self.device_total):>10}{fmt(self.host_total):>10}")
-        if any(not i.at_peak for i in self.items):
-            lines.append("* not alive at the peak (not counted in the totals)")
+        if any(not i.at_peak or i.phase not in ("all", self.peak_phase) for i in self.items):
+            lines.append(
+                f"* not alive at the peak (the peak is in the {self.peak_phase} phase: "
+                + ("PPO updates" if self.peak_phase == "train" else "no-grad scoring passes")
+                + ")"
+            )
         lines.append("")
         if self.fits is not None:
             gpu = x.gpu_mem_bytes or 0
@@ -516,7 +557,7 @@ def _model_items(
     )
     items = [
         PlanItem(f"{name} parameters", P * m, note=f"{_numel(shapes) / 1e9:.3f}B params / {W}"),
-        PlanItem(f"{name} gradients", P * m),
+        PlanItem(f"{name} gradients", P * m, phase="train"),
         PlanItem(
             f"{name} optimizer states",
             opt.device,
@@ -588,13 +629,14 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
         note = f"saved {_gib(a.saved)} + backward transient {_gib(a.transient)} GiB"
         if name.startswith("actor"):
             note += f"; {without}"
-        plan.items.append(PlanItem(name, a.total, note=note, at_peak=peak))
+        plan.items.append(PlanItem(name, a.total, note=note, at_peak=peak, phase="train"))
     if x.reference:
         P_ref = sum(_local(model_param_shapes(x.actor), W))
         plan.items.append(
             PlanItem("reference model", P_ref * x.master_bytes, note="frozen, sharded")
         )
     plan.items.append(_correction_item(x))
+    plan.items.append(_scoring_item(x))
     if x.device == "cuda":
         if x.engine_mem_fraction:
             gpu = x.gpu_mem_bytes or 0
@@ -611,6 +653,70 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
             )
         plan.items.append(PlanItem("CUDA context + slack", CUDA_CONTEXT_BYTES, note="assumed"))
     return plan
+
+
+def scoring_bytes(
+    args: Any,
+    *,
+    rows: int,
+    seq_len: int,
+    response_len: int,
+    compute_bytes: int,
+    logits_chunk: int,
+    lm_head: bool = True,
+    mask: bool = True,
+) -> int:
+    """Working memory of one no-grad forward over ``rows`` sequences (N = rows · seq_len tokens):
+    the largest set of intermediates alive at once, parameters excluded.
+
+        attention phase   c·N·(3D + (H + 2H_kv)·hd + 5H·hd) + c·rows·S² (the additive mask bias)
+        MLP phase         c·N·(3D + 3I)
+        always            rows·S² (boolean mask) + 2·c·N·hd (RoPE cos/sin)
+        lm_head (actor)   c·N·D + n·V·16, n = min(logits_chunk, rows · response_len)
+    peak = max(attention, MLP, lm_head) + always. (Measured on CPU: exact when the MLP phase
+    dominates, up to +40% when attention does.)
+    """
+    c, D, inter, hd = compute_bytes, args.dim, args.intermediate_size, args.head_dim
+    H, Hkv, S = args.n_heads, args.n_kv_heads, seq_len
+    N = rows * S
+    attn = c * N * (3 * D + (H + 2 * Hkv) * hd + 5 * H * hd) + (c * rows * S * S if mask else 0)
+    mlp = c * N * (3 * D + 3 * inter)
+    head = c * N * D + min(logits_chunk, max(rows * response_len, 1)) * args.vocab_size * 16
+    always = (rows * S * S if mask else 0) + 2 * c * N * hd
+    return max(attn, mlp, head if lm_head else 0) + always
+
+
+def _scoring_item(x: PlanInputs) -> PlanItem:
+    """The no-grad passes of step 2 (reference logprobs, critic values, correction anchors), one
+    model at a time over ``score_rows`` sequences per forward."""
+    rows = x.score_rows or x.micro_batch
+    passes = []
+    if x.correction not in ("rollout_logprobs",) or x.reference:
+        passes.append(("actor", x.actor, True))
+    if x.critic is not None:
+        passes.append(("critic", x.critic, False))
+    if not passes:
+        return PlanItem("no-grad scoring passes", 0, phase="score", note="none")
+    sizes = {
+        name: scoring_bytes(
+            args,
+            rows=rows,
+            seq_len=x.seq_len,
+            response_len=x.response_len,
+            compute_bytes=x.compute_bytes,
+            logits_chunk=x.logits_chunk,
+            lm_head=head,
+            mask=x.mask,
+        )
+        for name, args, head in passes
+    }
+    worst = max(sizes, key=sizes.get)
+    return PlanItem(
+        "no-grad scoring passes",
+        sizes[worst],
+        phase="score",
+        note=f"{rows} sequences per forward ({worst} largest)",
+    )
 
 
 def _correction_item(x: PlanInputs) -> PlanItem:
@@ -651,6 +757,9 @@ CONFIG_KEYS: dict[str, list[str]] = {
     "prompt_len": ["max_prompt_len", "dataset.max_prompt_tokens"],
     "response_len": ["rollout.max_new_tokens"],
     "micro_batch": ["ppo.micro_batch_size"],
+    "score_rows": ["ppo.score_micro_batch_size"],
+    "groups_per_batch": ["rollout.groups_per_batch"],
+    "samples_per_prompt": ["rollout.samples_per_prompt"],
     "optimizer": ["optimizer"],
     "critic_optimizer": ["critic.optimizer"],
     "correction": ["correction"],
@@ -746,6 +855,18 @@ def _prompt_len(cfg: DictConfig) -> int:
     )
 
 
+def _score_rows(cfg: DictConfig, world_size: int) -> int:
+    """Sequences per no-grad forward: ``ppo.score_micro_batch_size`` when the config has it, else
+    this rank's whole batch (groups_per_batch · samples_per_prompt / ranks), which is what the
+    recipe scores in one forward."""
+    rows = _get(cfg, "score_rows", None, what="scoring micro-batch")
+    if rows is not None:
+        return int(rows)
+    groups = int(_get(cfg, "groups_per_batch", what="prompts per step"))
+    samples = int(_get(cfg, "samples_per_prompt", 1, what="samples per prompt"))
+    return max(1, groups * samples // world_size)
+
+
 def plan_inputs_from_config(
     cfg: DictConfig, *, gpu_mem_gib: float | None = None, world_size: int | None = None
 ) -> PlanInputs:
@@ -811,6 +932,7 @@ def plan_inputs_from_config(
         snapshot_bytes=sbytes,
         max_staleness=int(_get(cfg, "max_staleness", 0, what="max_staleness")),
         partial_rollout=bool(_get(cfg, "partial_rollout", False, what="partial_rollout")),
+        score_rows=_score_rows(cfg, world_size),
         engine_mem_fraction=None if fraction is None else float(fraction),
         engine_sleeps=_get(cfg, "engine_memory_mode", "overlap", what="engine mode") == "sleep",
         engine_weights_host_copy=bool(

@@ -186,6 +186,7 @@ def tiny_job_peak(
         critic_optimizer=spec,
         correction=correction,
         max_staleness=max_staleness,
+        score_rows=2 * micro_batch,  # prepare() scores the whole step batch in one forward
     )
     return tracker.peak["cpu"], plan_memory(x)
 
@@ -264,7 +265,7 @@ def _run_cfg(**over):
         "dtype": "bf16",
         "dataset": {"_component_": "minippo.data.load_prompt_dataset", "max_prompt_tokens": 2048},
         "rollout": {"max_new_tokens": 8192, "max_staleness": 2, "partial_rollout": True},
-        "ppo": {"micro_batch_size": 1},
+        "ppo": {"micro_batch_size": 1, "score_micro_batch_size": 1},
         "kl": {"coef": 0.0},
         "critic": {"checkpoint_path": None, "optimizer": {"_component_": "torch.optim.AdamW"}},
         "optimizer": {"_component_": "minippo.training.optimizers.AdamW", "lr": 1e-6},
@@ -328,6 +329,18 @@ def test_switches_shrink_what_they_should():
     )
     assert 0.24 < ratio < 0.27  # ~2.03 of 8 bytes per parameter
     assert item(noac, "actor activations").device > 3 * item(base, "actor activations").device
+    # the whole per-rank batch (rollout.groups_per_batch x samples / ranks) scored in one forward
+    whole = _plan(
+        _run_cfg(
+            rollout={"max_new_tokens": 8192, "groups_per_batch": 64, "samples_per_prompt": 8},
+            ppo={"micro_batch_size": 1},
+        )
+    )
+    assert whole.inputs.score_rows == 64 and whole.peak_phase == "score"
+    assert (
+        item(whole, "no-grad scoring passes").device
+        > 10 * item(base, "no-grad scoring passes").device
+    )
     assert item(ewma, "correction (ewma)").device > 0 and ewma.host_total == 0
     assert sleep.device_total == base.device_total - item(base, "engine (mem_fraction)").device
     small = _plan(_run_cfg(), gpu=20)
@@ -393,12 +406,14 @@ SHIPPED = {  # config -> (size builder standing in for its HF folder, ranks)
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
-def test_shipped_gpu_configs_fit_their_gpus_with_activation_checkpointing(name):
+def test_shipped_gpu_configs_fit_with_checkpointing_and_micro_batched_scoring(name):
     if not (REPO / "configs" / f"{name}.yaml").exists():
         pytest.skip(f"configs/{name}.yaml is not in this checkout")
     builder, ranks = SHIPPED[name]
     cfg = load_config(name, ["checkpoint_path=null", f"model={{_component_: {builder}}}"])
     cfg.activation_checkpointing = True
+    # the no-grad passes scored in micro-batches, not the whole per-rank batch in one forward
+    cfg.ppo.score_micro_batch_size = cfg.ppo.micro_batch_size
     plan = plan_from_config(cfg, gpu_mem_gib=80, world_size=ranks)
     assert plan.inputs.device == "cuda"
     assert plan.fits, plan.table()

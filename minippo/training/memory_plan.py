@@ -478,7 +478,7 @@ class MemoryPlan:
         if x.engine_mem_fraction and not x.engine_sleeps:
             out.append(
                 f"engine: engine.mem_fraction={x.engine_mem_fraction} reserves "
-                f"{_gib(int(x.engine_mem_fraction * (x.gpu_mem_bytes or 0)))} GiB; a smaller "
+                f"{_size(int(x.engine_mem_fraction * (x.gpu_mem_bytes or 0)))}; a smaller "
                 "fraction leaves more for training (less KV cache), or engine.memory_mode=sleep "
                 "releases it while training (no overlap of generation and training)"
             )
@@ -532,6 +532,11 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def _size(n: int) -> str:
+    """Bytes as GiB, or MiB below 0.1 GiB (notes of the table)."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB // 10 else f"{n / 2**20:.2f} MiB"
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
@@ -556,7 +561,9 @@ def _model_items(
         step_on_device=x.device == "cuda",
     )
     items = [
-        PlanItem(f"{name} parameters", P * m, note=f"{_numel(shapes) / 1e9:.3f}B params / {W}"),
+        PlanItem(
+            f"{name} parameters", P * m, note=f"{_numel(shapes) / 1e6:,.1f}M params / {W} ranks"
+        ),
         PlanItem(f"{name} gradients", P * m, phase="train"),
         PlanItem(
             f"{name} optimizer states",
@@ -620,13 +627,13 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
         logits_chunk=x.logits_chunk,
         mask=x.mask,
     )
-    without = f"{'without' if x.activation_checkpointing else 'with'} AC: {_gib(alt.total)} GiB"
+    without = f"{'without' if x.activation_checkpointing else 'with'} AC: {_size(alt.total)}"
     largest = max(a.total for _, a in acts)
     counted = False
     for name, a in acts:
         peak = a.total == largest and not counted
         counted = counted or peak
-        note = f"saved {_gib(a.saved)} + backward transient {_gib(a.transient)} GiB"
+        note = f"saved {_size(a.saved)} + backward transient {_size(a.transient)}"
         if name.startswith("actor"):
             note += f"; {without}"
         plan.items.append(PlanItem(name, a.total, note=note, at_peak=peak, phase="train"))
@@ -731,7 +738,7 @@ def _correction_item(x: PlanInputs) -> PlanItem:
         versions = x.max_staleness + 1 + (1 if x.partial_rollout else 0)
         per = P * (x.snapshot_bytes or m)
         total = versions * per + P * m
-        note = f"{versions} live versions x {_gib(per)} GiB + swap buffer"
+        note = f"{versions} live versions x {_size(per)} + swap buffer"
         if x.snapshot_storage == "cpu":
             return PlanItem("correction (keep_old_actor)", 0, total, note=note + ", host")
         return PlanItem("correction (keep_old_actor)", total, 0, note=note + ", device")

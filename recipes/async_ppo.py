@@ -1,11 +1,10 @@
-"""Asynchronous PPO for LLMs on one node: the minippo recipe. Run it with
+"""Asynchronous PPO for LLMs on one node (manual: the AsyncPPORecipe docstring, docs/recipe.md).
 
-    minippo run async_ppo --config tiny_cpu                         # CPU, a few minutes
+    minippo run async_ppo --config tiny_cpu                         # CPU, under a minute
     minippo run --nproc-per-node 8 async_ppo --config qwen3_4b_dapo_math_8gpu
     python recipes/async_ppo.py --config configs/tiny_cpu.yaml total_steps=20
 
-Copy it with ``minippo cp async_ppo my_ppo.py`` and edit; nothing imports this file.
-"""
+Copy it with ``minippo cp async_ppo my_ppo.py`` and edit; nothing imports this file."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.nn.utils import clip_grad_norm_
 
 from minippo.config import instantiate, locate
 from minippo.data import PromptStream
@@ -108,6 +108,10 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
             f"critic.warmup_steps ({cfg.critic.warmup_steps}) must be in [0, total_steps "
             f"({cfg.total_steps}))"
         )
+    if ppo.score_micro_batch_size is not None and ppo.score_micro_batch_size < 1:
+        raise ValueError(
+            f"ppo.score_micro_batch_size must be >= 1 or null, got {ppo.score_micro_batch_size}"
+        )
     if cfg.dtype not in DTYPES or cfg.engine_dtype not in DTYPES:
         raise ValueError(
             f"dtype ({cfg.dtype!r}) and engine_dtype ({cfg.engine_dtype!r}) must be in {sorted(DTYPES)}"
@@ -163,11 +167,8 @@ class AsyncPPORecipe:
         validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), "RANK" in os.environ)
         self.cfg = cfg
         self.dist = init_distributed()
-        self.rank, self.world_size, self.device = (
-            self.dist.rank,
-            self.dist.world_size,
-            self.dist.device,
-        )
+        self.rank, self.world_size = self.dist.rank, self.dist.world_size
+        self.device = self.dist.device
         self.is_main = self.rank == 0
         if self.device.type == "cpu":
             # the engine process takes the other cores; oversubscribed intra-op threads spin
@@ -212,8 +213,11 @@ class AsyncPPORecipe:
             self.critic_optimizer = instantiate(cfg.critic.optimizer, self.critic.parameters())
             self.critic_scheduler = instantiate(cfg.lr_scheduler, self.critic_optimizer)
         self.updates_per_step = cfg.ppo.epochs * cfg.ppo.minibatches
-        self.correction = build_correction(
-            cfg, temperature=self.temperature, updates_per_step=self.updates_per_step
+        self.correction = build_correction(  # anchors scored like every no-grad pass
+            cfg,
+            temperature=self.temperature,
+            updates_per_step=self.updates_per_step,
+            score_fn=lambda model, b: self._scored(lambda mb: self._logprobs(model, mb), b),
         )
         self.actor_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
         self.critic_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
@@ -308,9 +312,9 @@ class AsyncPPORecipe:
             with torch.no_grad():
                 ref_logprobs = values = bootstrap = None
                 if self.use_ref:
-                    ref_logprobs = self._logprobs(self.ref, batch)
+                    ref_logprobs = self._scored(lambda mb: self._logprobs(self.ref, mb), batch)
                 if self.use_critic:
-                    values, bootstrap = split_critic_values(self._values(batch), mask)
+                    values, bootstrap = split_critic_values(self._scored(self._values, batch), mask)
                 corr = self.correction.prepare(batch, self.actor, step=step)
 
             # step 3. advantages (KL as a reward penalty is estimated under the sampling policy μ)
@@ -391,6 +395,12 @@ class AsyncPPORecipe:
             start=batch.prompt_len,
         )
 
+    def _scored(self, fn, batch) -> torch.Tensor:
+        """fn over row chunks of ``ppo.score_micro_batch_size`` (null: the whole batch at once);
+        every rank has the same number of rows, so FSDP's collective forwards line up."""
+        n = self.cfg.ppo.score_micro_batch_size or batch.batch_size
+        return torch.cat([fn(batch.select(slice(i, i + n))) for i in range(0, batch.batch_size, n)])
+
     def _values(self, batch) -> torch.Tensor:
         return self.critic(
             batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask
@@ -454,8 +464,7 @@ class AsyncPPORecipe:
                         add(st)
                         add({"train/entropy": float(masked_mean(entropy.detach(), m))})
                     if self.use_critic:
-                        v = self._values(mb)
-                        v, _ = split_critic_values(v, m)
+                        v, _ = split_critic_values(self._values(mb), m)
                         vloss, vst = value_loss(
                             v,
                             old_values[micro],
@@ -468,26 +477,21 @@ class AsyncPPORecipe:
                         vloss_sum += float(vloss.detach())
                         add(vst)
                 if train_actor:
-                    norm = torch.nn.utils.clip_grad_norm_(
-                        self.actor.parameters(), ppo.max_grad_norm
-                    )
+                    norm = clip_grad_norm_(self.actor.parameters(), ppo.max_grad_norm)
                     if self.actor_guard.check(loss_sum, norm, step=step):
                         self.optimizer.step()
                         self.correction.after_optimizer_step(self.actor)
                     self.optimizer.zero_grad(set_to_none=True)
                     add({"train/grad_norm": float(norm), "train/loss": loss_sum})
                 if self.use_critic:
-                    norm = torch.nn.utils.clip_grad_norm_(
-                        self.critic.parameters(), ppo.max_grad_norm
-                    )
+                    norm = clip_grad_norm_(self.critic.parameters(), ppo.max_grad_norm)
                     if self.critic_guard.check(vloss_sum, norm, step=step):
                         self.critic_optimizer.step()
                     self.critic_optimizer.zero_grad(set_to_none=True)
                     add({"train/critic_grad_norm": float(norm)})
         out = {k: sums[k] / counts[k] for k in sums}
-        out["train/nonfinite_skipped_total"] = float(
-            self.actor_guard.skipped_total + self.critic_guard.skipped_total
-        )
+        skipped = self.actor_guard.skipped_total + self.critic_guard.skipped_total
+        out["train/nonfinite_skipped_total"] = float(skipped)
         return out
 
     def _perf(self, rollouts, t_step, t_prep, t_train, t_pub, now) -> dict[str, float]:
@@ -513,10 +517,8 @@ class AsyncPPORecipe:
 
     # ------------------------------------------------------------------------------ checkpoints
     def _models(self) -> dict:
-        models = {"actor": (self.actor, self.optimizer)}
-        if self.use_critic:
-            models["critic"] = (self.critic, self.critic_optimizer)
-        return models
+        critic = {"critic": (self.critic, self.critic_optimizer)} if self.use_critic else {}
+        return {"actor": (self.actor, self.optimizer), **critic}
 
     def save_checkpoint(self, step: int) -> None:
         """Atomic DCP checkpoint of everything a resumed run needs to continue exactly.
@@ -533,9 +535,7 @@ class AsyncPPORecipe:
             "batch_ahead": self._batch_ahead,
             "correction": self.correction.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "critic_scheduler": self.critic_scheduler.state_dict()
-            if self.critic_scheduler
-            else None,
+            "critic_scheduler": self.critic_scheduler and self.critic_scheduler.state_dict(),
             "guards": [self.actor_guard.state_dict(), self.critic_guard.state_dict()],
         }
         self.ckpt_path = self.checkpointer.save(

@@ -153,6 +153,7 @@ def test_every_correction_and_grpo_and_kl_run(tmp_path):
             "kl.estimator=k3",
         ],
         "gae_kl_reward_warmup": ["kl.coef=0.05", "critic.warmup_steps=1"],
+        "scored_in_chunks": ["kl.coef=0.05", "ppo.score_micro_batch_size=5"],
     }
     overrides = [
         [*FAST, "total_steps=2", f"output_dir={tmp_path / name}", *extra]
@@ -215,6 +216,7 @@ def test_bad_configs_fail_before_anything_is_built(tmp_path):
         "advantage_estimator=vtrace": "advantage_estimator must be 'gae' or 'grpo', got 'vtrace'",
         "kl.mode=both": "kl.mode ('both') 'reward' or 'loss'",
         "critic.warmup_steps=99": "critic.warmup_steps (99) must be in [0, total_steps (60))",
+        "ppo.score_micro_batch_size=0": "ppo.score_micro_batch_size must be >= 1 or null, got 0",
         "dtype=bf16": "run `minippo run --nproc-per-node 1 async_ppo ...`, or set dtype=fp32",
     }
     for override, message in cases.items():

@@ -179,10 +179,14 @@ def test_every_correction_and_grpo_and_kl_run(tmp_path):
     assert "train/kl_ref_mean" in warm[0]
 
 
-def test_resume_equals_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("correction", ["EWMA", "KeepOldActor"])
+def test_resume_equals_uninterrupted_run(tmp_path, correction):
     full, part = tmp_path / "full", tmp_path / "part"
     # the LR schedule's horizon is fixed, so the run stopped at step 2 decays like the full one
     common = [*FAST, "checkpoint.every_n_steps=2", "lr_scheduler.total_steps=4"]
+    if correction == "KeepOldActor":  # its snapshot of version 1 serves the saved batch of step 2
+        common += ["correction._component_=minippo.rl.correction.KeepOldActor"]
+        common += ["~correction.reset_below"]
     results = run_recipes(
         [
             [*common, "total_steps=4", f"output_dir={full}"],

@@ -11,8 +11,8 @@ Two measurements per optimizer, each reported as a ratio to torch AdamW (fused):
 2. A parameter-heavy step loop: a ~4M-parameter Qwen3-shaped decoder trained on a fixed batch, where
    the optimizer state is a large share of memory. Same two measurements.
 
-    python benchmarks/optimizer_memory.py --quick      # ~5 min on 2 CPU cores (cold compile cache)
-    python benchmarks/optimizer_memory.py              # more steps
+    python benchmarks/optimizer_memory.py --quick      # smoke run (eager, no timings), ~1 min
+    python benchmarks/optimizer_memory.py              # the numbers in docs/benchmarks.md
 
 Prints a markdown table per measurement.
 """
@@ -163,17 +163,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
     args = parser.parse_args()
-    recipe_steps, loop_steps = (4, 6) if args.quick else (10, 20)
+    # --quick is a smoke run: 2 recipe steps, one (tracked, eager) run per optimizer, no timings
+    # worth reading; the full run times the compiled torchao step in a second, untracked run
+    recipe_steps, loop_steps = (2, 3) if args.quick else (10, 20)
     print(f"torch {torch.__version__}; {platform.processor() or platform.machine()}; ", end="")
     print(f"{torch.get_num_threads()} threads; quick={args.quick}\n")
 
     job, loop = {}, {}
     for name, comp in OPTIMIZERS:
         mem = recipe_run(comp, recipe_steps, tracked=True)
-        timed = recipe_run(comp, recipe_steps, tracked=False)
+        timed = mem if args.quick else recipe_run(comp, recipe_steps, tracked=False)
         job[name] = {"peak": mem["peak"], "states": mem["states"], "train_s": timed["train_s"]}
         mem = loop_run(comp, 3, tracked=True)
-        timed = loop_run(comp, loop_steps, tracked=False)
+        timed = mem if args.quick else loop_run(comp, loop_steps, tracked=False)
         loop[name] = {**timed, "peak": mem["peak"]}
         print(
             f"{name}: job peak {_mib(job[name]['peak'])} MiB, loop peak {_mib(mem['peak'])} MiB, "

@@ -1,4 +1,4 @@
-"""The ``minippo`` command: ls, cp, run, validate."""
+"""The ``minippo`` command: ls, cp, run, validate, plan."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from minippo._cli import registry
+from minippo._cli.plan import add_plan_parser
 from minippo.config import ConfigError, check_no_flags, load_config, validate
 
 EXAMPLES = textwrap.dedent(
@@ -23,6 +24,7 @@ EXAMPLES = textwrap.dedent(
       minippo cp tiny_cpu my_tiny.yaml
       minippo run async_ppo --config my_tiny.yaml
       minippo validate --config tiny_cpu
+      minippo plan --config qwen3_4b_dapo_math_8gpu nproc_per_node=8 gpu_mem_gib=80
     """
 )
 
@@ -57,7 +59,7 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=fmt,
     )
-    sub = parser.add_subparsers(dest="command", metavar="{ls,cp,run,validate}")
+    sub = parser.add_subparsers(dest="command", metavar="{ls,cp,run,validate,plan}")
 
     p = sub.add_parser(
         "ls",
@@ -127,6 +129,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="built-in config name or path to a YAML")
     p.add_argument("overrides", nargs="*", help="key=value, +key=value or ~key")
     p.set_defaults(func=_validate)
+
+    add_plan_parser(sub)
     return parser
 
 

@@ -35,6 +35,7 @@ from minippo.models import (
     value_model_from_pretrained,
 )
 from minippo.parallel import (
+    apply_activation_checkpointing,
     full_tensor_buckets,
     gather_full_state_dict,
     init_distributed,
@@ -204,7 +205,8 @@ class AsyncPPORecipe:
         self.critic = self._place(self._build_model(cfg, critic=True)) if self.use_critic else None
         self.ref = None
         if self.use_ref:
-            self.ref = self._place(self._build_model(cfg, critic=False)).requires_grad_(False)
+            ref = self._build_model(cfg, critic=False)
+            self.ref = self._place(ref, trainable=False).requires_grad_(False)
 
         self.optimizer = instantiate(cfg.optimizer, self.actor.parameters())
         self.scheduler = instantiate(cfg.lr_scheduler, self.optimizer)
@@ -273,8 +275,10 @@ class AsyncPPORecipe:
         takes_model = "model" in inspect.signature(locate(cfg.engine._component_)).parameters
         return instantiate(cfg.engine, actor) if takes_model else instantiate(cfg.engine)
 
-    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+    def _place(self, model: torch.nn.Module, *, trainable: bool = True) -> torch.nn.Module:
         model = model.to(self.device)
+        if trainable and self.cfg.activation_checkpointing:  # recompute each block in backward
+            apply_activation_checkpointing(model)
         if self.dist.distributed:  # a plain single process trains unsharded, in fp32
             shard_model(model, param_dtype=DTYPES[self.cfg.dtype])
         return model

@@ -10,8 +10,10 @@ Public names:
     full_tensor_buckets(model, *, bucket_bytes, dtype=None) -> Iterator[list[(hf_name, Tensor)]]
     gather_full_state_dict(model, *, dtype=None, device="cpu", rank0_only=False)
         -> {native_name: Tensor}
+    apply_activation_checkpointing(model) -> model   (per decoder block; before shard_model)
 """
 
+from minippo.parallel.activation_checkpointing import apply_activation_checkpointing
 from minippo.parallel.distributed import DistInfo, destroy_distributed, init_distributed
 from minippo.parallel.fsdp import (
     assert_not_meta,
@@ -23,6 +25,7 @@ from minippo.parallel.fsdp import (
 
 __all__ = [
     "DistInfo",
+    "apply_activation_checkpointing",
     "assert_not_meta",
     "destroy_distributed",
     "full_tensor_buckets",

@@ -25,7 +25,7 @@ bytes; T = micro_batch · seq_len tokens, R = micro_batch · response_len scored
                           live versions = max_staleness + 1 (+ 1 with partial rollouts)
     no-grad passes        reference logprobs / critic values / correction anchors before the updates:
                           one forward's working set (``scoring_bytes``) over score_rows sequences
-    engine                engine.mem_fraction · GPU memory (SGLang's static pool: weights + KV)
+    engine                engine.mem_fraction_static · GPU memory (SGLang's static pool: weights + KV)
     CUDA context          1 GiB reserved for the CUDA context and allocator slack (GPU only)
 
 Actor and critic run their backward passes one after the other, so only the larger of their
@@ -460,8 +460,8 @@ class MemoryPlan:
                     )
             elif name.startswith("no-grad"):
                 out.append(
-                    f"{name}: score the batch in micro-batches (now {x.score_rows or x.micro_batch} "
-                    "sequences per forward)"
+                    f"{name}: a smaller ppo.score_micro_batch_size (now "
+                    f"{x.score_rows or x.micro_batch} sequences per forward)"
                 )
             elif name.startswith("correction") and item.device:
                 if x.correction == "keep_old_actor":
@@ -477,7 +477,7 @@ class MemoryPlan:
             out.append("host: correction.storage_dtype=bf16 halves the old-actor snapshots")
         if x.engine_mem_fraction and not x.engine_sleeps:
             out.append(
-                f"engine: engine.mem_fraction={x.engine_mem_fraction} reserves "
+                f"engine: engine.mem_fraction_static={x.engine_mem_fraction} reserves "
                 f"{_size(int(x.engine_mem_fraction * (x.gpu_mem_bytes or 0)))}; a smaller "
                 "fraction leaves more for training (less KV cache), or engine.memory_mode=sleep "
                 "releases it while training (no overlap of generation and training)"

@@ -179,6 +179,20 @@ def test_every_correction_and_grpo_and_kl_run(tmp_path):
     assert "train/kl_ref_mean" in warm[0]
 
 
+def test_activation_checkpointing_run_matches_plain_run(tmp_path):
+    runs = [
+        [*FAST, "total_steps=2", f"output_dir={tmp_path / 'plain'}"],
+        [*FAST, "total_steps=2", f"output_dir={tmp_path / 'ac'}", "activation_checkpointing=true"],
+    ]
+    assert run_recipes(runs) == [None, None]
+    plain = read_jsonl(tmp_path / "plain" / "metrics.jsonl")
+    ac = read_jsonl(tmp_path / "ac" / "metrics.jsonl")
+    for a, b in zip(plain, ac):
+        assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
+        for k in ("train/policy_loss", "train/value_loss", "train/grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+
+
 @pytest.mark.parametrize("correction", ["EWMA", "KeepOldActor"])
 def test_resume_equals_uninterrupted_run(tmp_path, correction):
     full, part = tmp_path / "full", tmp_path / "part"

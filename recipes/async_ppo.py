@@ -203,10 +203,9 @@ class AsyncPPORecipe:
         self.engine = self._build_engine(cfg, actor)
         self.actor = self._place(actor)
         self.critic = self._place(self._build_model(cfg, critic=True)) if self.use_critic else None
-        self.ref = None
+        self.ref = None  # frozen: no activation checkpointing, no gradients
         if self.use_ref:
-            ref = self._build_model(cfg, critic=False)
-            self.ref = self._place(ref, trainable=False).requires_grad_(False)
+            self.ref = self._place(self._build_model(cfg, critic=False), trainable=False)
 
         self.optimizer = instantiate(cfg.optimizer, self.actor.parameters())
         self.scheduler = instantiate(cfg.lr_scheduler, self.optimizer)
@@ -276,7 +275,7 @@ class AsyncPPORecipe:
         return instantiate(cfg.engine, actor) if takes_model else instantiate(cfg.engine)
 
     def _place(self, model: torch.nn.Module, *, trainable: bool = True) -> torch.nn.Module:
-        model = model.to(self.device)
+        model = model.to(self.device).requires_grad_(trainable)
         if trainable and self.cfg.activation_checkpointing:  # recompute each block in backward
             apply_activation_checkpointing(model)
         if self.dist.distributed:  # a plain single process trains unsharded, in fp32

@@ -21,6 +21,7 @@ from minippo.rl.correction import (
     local_shards,
     loglinear_alpha,
     loglinear_prox_weights,
+    response_logprobs,
     symmetric_mask_weights,
     truncated_is_weights,
 )
@@ -55,14 +56,7 @@ def model_with(weights: list[torch.Tensor]) -> Transformer:
 
 def score(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
     with torch.no_grad():
-        return token_logprobs(
-            model,
-            batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            temperature=temperature,
-            start=batch.prompt_len,
-        )
+        return response_logprobs(model, batch, temperature=temperature)
 
 
 def make_batch(versions: list[list[int]], seed: int = 0) -> RolloutBatch:

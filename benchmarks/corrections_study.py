@@ -287,7 +287,7 @@ def plot(results: dict[Cell, list[RecipeRun]], out_dir: Path, write_docs: bool) 
                     label = "with reset" if c.method == "ewma" else "without reset"
                     _curve(ax, mine[c], "correction/ewma_retained_before_reset", label, smooth=1)
                 ax.axhline(0.8, color="gray", lw=0.8, ls=":")
-                ax.set_title(f"EWMA mask retention, max_staleness {s}, engine {disc}")
+                ax.set_title(f"EWMA, max_staleness {s}, engine {disc}")
                 ax.set_xlabel("step")
                 ax.set_ylabel("retained fraction (before reset)")
                 ax.grid(alpha=0.3)

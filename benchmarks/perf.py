@@ -25,6 +25,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,11 +89,19 @@ def async_vs_sync(quick: bool, threads: int, new_tokens: int, out: Path) -> list
         common += ["rollout.groups_per_batch=8", "ppo.micro_batch_size=8"]
     per = {0: [], 1: []}
     phases = {0: [], 1: []}
+
+    def one(rep: int, s: int):
+        return run_recipe(
+            [*common, f"rollout.max_staleness={s}"], out / f"async_s{s}_r{rep}", threads=threads
+        )
+
+    runs = []
+    if quick:  # both at once: the quick figures only check that the code runs, not the timing
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            runs = list(pool.map(lambda s: (s, one(0, s)), (0, 1)))
     for rep in range(repeats):
         for s in (0, 1):
-            run = run_recipe(
-                [*common, f"rollout.max_staleness={s}"], out / f"async_s{s}_r{rep}", threads=threads
-            )
+            run = dict(runs)[s] if quick else one(rep, s)
             if run.returncode != 0:
                 raise RuntimeError(f"recipe run failed (max_staleness={s}):\n{run.log_tail}")
             step_s = run.series("perf/step_s")[warm:]

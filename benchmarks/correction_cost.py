@@ -70,7 +70,8 @@ def copy_costs(quick: bool) -> list[tuple[str, float, float]]:
     ewma.on_weights_published(0, model)
     t_ewma = paired(lambda: ewma.after_optimizer_step(model), plain_copy, repeats)
 
-    # snapshot save: on_weights_published allocates a fresh buffer per version and copies into it
+    # snapshot save in the training loop's steady state: the previous version is evicted and its
+    # buffers are reused by the next publish, which copies the weights into them
     koa = KeepOldActor(max_staleness=1_000_000)
     version = iter(range(10**9))
 
@@ -95,7 +96,7 @@ def copy_costs(quick: bool) -> list[tuple[str, float, float]]:
     print(f"plain _foreach_copy_: {t_copy * 1e3:.1f} ms ({gbps:.1f} GB/s read+write)")
     return [
         ("EWMA update (_foreach_lerp_)", *t_ewma),
-        ("snapshot save (alloc + copy)", *t_save),
+        ("snapshot save (reused buffer + copy)", *t_save),
         ("snapshot swap cycle (3 copies)", *t_swap),
         ("  per copy (cycle / 3)", t_swap[0] / 3, t_swap[1] / 3),
     ]

@@ -912,6 +912,10 @@ class KeepOldActor(Correction):
         self._snapshots: dict[int, _Snapshot] = {}
         self._latest: int | None = None
         self._swap: _ParamSwap | None = None
+        # the buffers of the last evicted version, reused by the next publish: in the training
+        # loop a version is evicted (prepare) just before the next one is published, so the
+        # reuse saves an allocation (and its page faults) per step without raising peak memory
+        self._spare: list[torch.Tensor] | None = None
 
     # ---- snapshot lifetime ----------------------------------------------------------------
     @property
@@ -937,6 +941,10 @@ class KeepOldActor(Correction):
         if version in self._snapshots:  # re-published (e.g. after a resume): overwrite in place
             snap = self._snapshots[version].tensors
             _check_like(f"snapshot of version {version}", snap, shards)
+        elif self._spare is not None and [t.shape for t in self._spare] == [
+            t.shape for t in shards
+        ]:
+            snap, self._spare = self._spare, None
         else:
             snap = _alloc_like(shards, dtype=self.storage_dtype, device=self._storage_device())
         with torch.no_grad():
@@ -958,7 +966,7 @@ class KeepOldActor(Correction):
             )
         for v in list(self._snapshots):
             if v not in keep and v != self._latest:
-                del self._snapshots[v]
+                self._spare = self._snapshots.pop(v).tensors
 
     def release_versions_below(self, version: int) -> None:
         """Evict every snapshot older than ``version`` (the latest published one is kept)."""
@@ -1008,6 +1016,7 @@ class KeepOldActor(Correction):
                 "correction/snapshot_versions": float(len(self._snapshots)),
                 "correction/snapshot_oldest_version": float(min(self._snapshots, default=-1)),
                 "correction/snapshot_bytes": float(self.snapshot_bytes),
+                "correction/snapshot_spare_bytes": float(_nbytes(self._spare or [])),
                 "correction/swap_buffer_bytes": float(self._swap.nbytes),
             }
         )
@@ -1026,6 +1035,7 @@ class KeepOldActor(Correction):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._snapshots = {}
+        self._spare = None
         # "cpu" storage: fresh (pinned) CPU buffers; "accelerator": where the loader put them
         device = torch.device("cpu") if self.storage == "cpu" else None
         for v, tensors in state["snapshots"].items():

@@ -337,6 +337,24 @@ def test_keep_old_actor_bytes_and_eviction():
     assert all(torch.equal(a, p) for a, p in zip(snap, model.parameters()))
 
 
+def test_keep_old_actor_reuses_the_evicted_versions_buffers_for_the_next_snapshot():
+    model = make_model()
+    corr = KeepOldActor()
+    corr.on_weights_published(0, model)
+    old = corr.state_dict()["snapshots"][0]
+    perturb(model, seed=1)
+    corr.on_weights_published(1, model)
+    corr.retain([])  # evicts version 0: its buffers become the spare
+    assert corr.live_versions == [1]
+    perturb(model, seed=2)
+    corr.on_weights_published(2, model)  # takes the spare: no new allocation
+    new = corr.state_dict()["snapshots"][2]
+    assert [t.data_ptr() for t in new] == [t.data_ptr() for t in old]
+    assert all(torch.equal(a, p) for a, p in zip(new, model.parameters()))  # the new weights
+    assert corr.live_versions == [1, 2]  # version 1 is untouched
+    assert not any(torch.equal(a, b) for a, b in zip(new, corr.state_dict()["snapshots"][1]))
+
+
 def test_keep_old_actor_accelerator_storage_keeps_snapshots_on_the_parameter_device():
     model = make_model()
     corr = KeepOldActor(storage="accelerator")

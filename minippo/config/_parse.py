@@ -160,10 +160,13 @@ def parse_recipe_args(argv: Sequence[str] | None = None, prog: str | None = None
 
 def check_no_flags(args: Sequence[str]) -> None:
     """Refuse ``--flag``-style arguments where only overrides are allowed, showing the right form."""
-    for arg in args:
+    for i, arg in enumerate(args):
         if arg.startswith("-") and not arg.startswith("--config"):
             name, _, value = arg.lstrip("-").partition("=")
             name = name.replace("-", "_")
+            following = args[i + 1] if i + 1 < len(args) else ""
+            if not value and following and not following.startswith("-") and "=" not in following:
+                value = following  # `--lr 3` -> lr=3
             raise ConfigError(
                 f"unknown option {arg!r} after the recipe: config values are set as key=value, "
                 f"for example `{name}={value or 'VALUE'}` (launcher flags such as --nproc-per-node "

@@ -117,7 +117,7 @@ def test_run_refuses_flags_after_recipe(local_recipe):
     recipe, cfg = local_recipe
     res = run_cli("run", str(recipe), "--config", str(cfg), "--seed", "3")
     assert res.returncode == 2
-    assert "config values are set as key=value" in res.stderr and "`seed=VALUE`" in res.stderr
+    assert "config values are set as key=value" in res.stderr and "`seed=3`" in res.stderr
 
 
 def test_run_unknown_names_list_known(local_recipe):

@@ -104,6 +104,11 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
         raise ValueError(
             f"kl.coef ({cfg.kl.coef}) must be >= 0 and kl.mode ({cfg.kl.mode!r}) 'reward' or 'loss'"
         )
+    if cfg.kl.coef > 0 and cfg.kl.mode == "loss" and cfg.kl.estimator == "k1":
+        raise ValueError(
+            "kl.estimator=k1 with kl.mode=loss has zero expected gradient (E_π[∇log π] = 0); "
+            "set kl.estimator=k2 (gradient of KL(π‖π_ref)) or k3 (gradient of KL(π_ref‖π))"
+        )
     if est == "gae" and not 0 <= cfg.critic.warmup_steps < cfg.total_steps:
         raise ValueError(
             f"critic.warmup_steps ({cfg.critic.warmup_steps}) must be in [0, total_steps "
@@ -151,8 +156,9 @@ class AsyncPPORecipe:
 
     KL to a frozen reference, two ways (``kl.mode``): ``reward`` subtracts β·KL per token from the
     reward (classic RLHF PPO: the penalty flows through GAE and the critic must predict it;
-    estimated under the sampling policy μ, no gradient), ``loss`` adds β·KL(π_θ‖π_ref) to the
-    policy loss (GRPO-style: exact gradient, no critic involvement, but it fights the clip).
+    estimated under the sampling policy μ, no gradient), ``loss`` adds β·KL to the policy loss
+    (GRPO-style: no critic involvement, but it fights the clip; its gradient is that of
+    KL(π_θ‖π_ref) with ``k2`` and of KL(π_ref‖π_θ) with ``k3``; ``k1`` is refused).
 
     Parallelism: under torchrun (``minippo run --nproc-per-node N``) actor, critic and reference
     are FSDP2-sharded over all ranks, and each rank drives its own engine with its share
@@ -348,7 +354,7 @@ class AsyncPPORecipe:
                 )
                 returns = None
             if cfg.ppo.whiten_advantages:
-                advantages = masked_whiten(advantages, mask)
+                advantages = masked_whiten(advantages, mask)  # statistics of all ranks
 
             # step 4. PPO epochs x minibatches, gradient accumulation over micro-batches
             t_train = time.perf_counter()
@@ -358,7 +364,8 @@ class AsyncPPORecipe:
             )
             metrics.update(stats)
             metrics.update(corr.metrics)  # after the updates (loglinear_prox completes them)
-            self.scheduler.step()
+            if train_actor:  # the actor's schedule starts with its first update
+                self.scheduler.step()
             if self.critic_scheduler is not None:
                 self.critic_scheduler.step()
 
@@ -435,6 +442,9 @@ class AsyncPPORecipe:
                 if self.use_critic:
                     self.critic_optimizer.zero_grad(set_to_none=True)
                 loss_sum = vloss_sum = 0.0
+                # each micro-batch's loss is its share of the minibatch loss (global counts):
+                # shares add up, and × W their mean over ranks is the sum over ranks
+                shares: dict[str, float] = defaultdict(float)
                 for micro in rows.split(ppo.micro_batch_size):
                     mb = batch.select(micro)
                     m = mb.response_mask
@@ -459,11 +469,13 @@ class AsyncPPORecipe:
                         if self.use_ref and cfg.kl.mode == "loss":
                             kl, kst = kl_loss(logp, ref_logprobs[micro], m, cfg.kl.estimator, **agg)
                             loss = loss + cfg.kl.coef * kl
+                            shares["train/kl_loss"] += kst.pop("train/kl_loss")
                             add(kst)
                         if inject_nan:
                             loss = loss * float("nan")
                         (loss * W).backward()
                         loss_sum += float(loss.detach())
+                        shares["train/policy_loss"] += st.pop("train/policy_loss")
                         add(st)
                         add({"train/entropy": float(masked_mean(entropy.detach(), m))})
                     if self.use_critic:
@@ -478,6 +490,7 @@ class AsyncPPORecipe:
                         )
                         (vloss * W).backward()
                         vloss_sum += float(vloss.detach())
+                        shares["train/value_loss"] += vst.pop("train/value_loss")
                         add(vst)
                 if train_actor:
                     norm = clip_grad_norm_(self.actor.parameters(), ppo.max_grad_norm)
@@ -485,13 +498,14 @@ class AsyncPPORecipe:
                         self.optimizer.step()
                         self.correction.after_optimizer_step(self.actor)
                     self.optimizer.zero_grad(set_to_none=True)
-                    add({"train/grad_norm": float(norm), "train/loss": loss_sum})
+                    add({"train/grad_norm": float(norm), "train/loss": loss_sum * W})
                 if self.use_critic:
                     norm = clip_grad_norm_(self.critic.parameters(), ppo.max_grad_norm)
                     if self.critic_guard.check(vloss_sum, norm, step=step):
                         self.critic_optimizer.step()
                     self.critic_optimizer.zero_grad(set_to_none=True)
                     add({"train/critic_grad_norm": float(norm)})
+                add({k: v * W for k, v in shares.items()})
         out = {k: sums[k] / counts[k] for k in sums}
         skipped = self.actor_guard.skipped_total + self.critic_guard.skipped_total
         out["train/nonfinite_skipped_total"] = float(skipped)

@@ -397,6 +397,7 @@ class _WeightStats:
         valid = mask > 0
         kept = valid & (w.keep > 0)
         d, finite = _finite_log_ratio(anchor.float(), mu.float(), valid)
+        finite = finite & ~w.nonfinite  # tokens rejected as non-finite stay out of |a − μ| and KL
         self.tokens += float(valid.sum())
         self.kept += float(kept.sum())
         if kept.any():
@@ -736,10 +737,12 @@ class Correction:
     ) -> CorrectionOutput:
         mask, mu = batch.response_mask, batch.rollout_logprobs.float()
         valid = mask > 0
-        # non-finite anchors are rejected (k = 0) and replaced by μ; pads get 0
-        anchor = torch.where(torch.isfinite(anchor) & valid, anchor, torch.where(valid, mu, 0.0))
         stats = _WeightStats(bound_kind=bound_kind)
-        stats.add(anchor, mu, mask, w)
+        stats.add(anchor, mu, mask, w)  # before the replacement below: rejected tokens stay out
+        # non-finite anchors are rejected (k = 0) and replaced by μ (by 0 where μ is not finite
+        # either); pads get 0: no non-finite value leaves the module
+        fallback = torch.where(valid & torch.isfinite(mu), mu, torch.zeros_like(mu))
+        anchor = torch.where(torch.isfinite(anchor) & valid, anchor, fallback)
         return CorrectionOutput(anchor, w.weights, w.keep, stats.as_dict(), mu, mask)
 
 
@@ -772,9 +775,10 @@ class RolloutLogprobs(Correction):
     def _prepare(self, batch, actor, step):
         mu, mask = batch.rollout_logprobs.float(), batch.response_mask
         valid = mask > 0
+        ok = valid & torch.isfinite(mu)  # a non-finite μ is rejected (and counted), like elsewhere
         none = torch.zeros_like(valid)
-        w = Weights(mask.float(), mask.float(), none, none, none)
-        return self._output(batch, torch.where(valid, mu, 0.0), w)
+        w = Weights(ok.float(), ok.float(), none, none, valid & ~ok)
+        return self._output(batch, torch.where(ok, mu, 0.0), w)
 
 
 class NoCorrection(Correction):

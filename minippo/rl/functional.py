@@ -7,7 +7,10 @@ never enter a sum even when they hold ``inf`` or ``nan``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -53,16 +56,34 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = True) ->
 
 
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    group: Any = None,
 ) -> torch.Tensor:
     """Whiten x over the masked entries: (x − mean) / sqrt(var + eps); 0 on masked-out entries.
 
     With ``shift_mean=False`` the mean is added back, (x − mean) / sqrt(var + eps) + mean: only
-    the spread is normalised, the mean (and so the sign balance) is kept. Statistics are over the tensor given (this process's
-    entries only; nothing is all-reduced). var is the unbiased masked variance.
+    the spread is normalised, the mean (and so the sign balance) is kept. var is the unbiased
+    masked variance. When a process group is initialised (``group``: None = the default group),
+    mean and variance are over the entries of ALL ranks (Σx, Σx², n all-reduced), so every rank
+    whitens with the full batch's statistics and the result does not depend on the world size.
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
+    if dist.is_available() and dist.is_initialized():
+        valid = mask > 0
+        xv = torch.where(valid, x, torch.zeros_like(x))
+        # [Σ m·x, Σ m·x², Σ m] over every rank
+        sums = torch.stack([xv.sum(), (xv * xv).sum(), valid.sum().to(x.dtype)]).double()
+        dist.all_reduce(sums, group=group)
+        s1, s2, n = sums.unbind()
+        mean = s1 / n.clamp(min=1)
+        var = (s2 - n * mean * mean) / (n - 1).clamp(min=1)  # unbiased
+        mean, var = mean.to(x.dtype), var.clamp(min=0).to(x.dtype)
+    else:
+        mean = masked_mean(x, mask)
+        var = masked_var(x, mask)
     white = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         white = white + mean

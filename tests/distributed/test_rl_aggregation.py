@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minippo.rl.aggregation import AGGREGATION_MODES, aggregate, global_counts
+from minippo.rl.functional import masked_whiten
 
 WORLD_SIZE = 2
 
@@ -43,6 +44,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         rows = slice(0, 3) if rank == 0 else slice(3, 6)
         counts = global_counts(mask[rows])  # all-reduced over both ranks
         results = {"counts": (counts.tokens, counts.seqs)}
+        # advantage whitening with the statistics of both ranks (nan on padding must not leak)
+        padded = torch.where(mask[rows] > 0, loss[rows], torch.full_like(loss[rows], float("nan")))
+        results["whitened"] = masked_whiten(padded, mask[rows])
         for mode in AGGREGATION_MODES:
             param = param0.clone().requires_grad_()
             total = torch.zeros((), dtype=torch.float64)
@@ -76,6 +80,9 @@ def test_two_rank_aggregation_equals_full_batch(tmp_path):
     for rank in range(WORLD_SIZE):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert results["counts"] == (float(mask.sum()), 5.0)
+        rows = slice(0, 3) if rank == 0 else slice(3, 6)
+        full = masked_whiten(loss, mask)  # one process: the whole batch's statistics
+        torch.testing.assert_close(results["whitened"], full[rows], rtol=1e-12, atol=1e-12)
         for mode in AGGREGATION_MODES:
             param = param0.clone().requires_grad_()
             full = aggregate(_per_token(loss, param), mask, mode)

@@ -100,8 +100,9 @@ def assert_same(a: dict, b: dict) -> None:
 # pinned from `minippo run async_ppo --config tiny_cpu total_steps=3 <SMALL>` (fp32, seed 0)
 PINNED_REWARD = [0.0, 0.015625, 0.0078125]
 PINNED_LAST = {
-    "train/policy_loss": -0.0063700322061777115,
-    "train/value_loss": 0.0005264228420855943,
+    # the minibatch losses (2 micro-batches of 8 rows: the sum of their shares)
+    "train/policy_loss": -0.012740064412355423,
+    "train/value_loss": 0.0010528456841711886,
     "train/approx_kl": 0.0020685198542196304,
 }
 
@@ -236,9 +237,10 @@ def test_bad_configs_fail_before_anything_is_built(tmp_path):
         "critic.warmup_steps=99": "critic.warmup_steps (99) must be in [0, total_steps (60))",
         "ppo.score_micro_batch_size=0": "ppo.score_micro_batch_size must be >= 1 or null, got 0",
         "dtype=bf16": "run `minippo run --nproc-per-node 1 async_ppo ...`, or set dtype=fp32",
+        "kl.coef=0.1 kl.mode=loss kl.estimator=k1": "set kl.estimator=k2",
     }
     for override, message in cases.items():
-        cfg = load_config("tiny_cpu", [f"output_dir={out}", override])
+        cfg = load_config("tiny_cpu", [f"output_dir={out}", *override.split()])
         with pytest.raises(ValueError) as e:
             main(cfg)
         assert message in str(e.value), (override, str(e.value))

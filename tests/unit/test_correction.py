@@ -251,6 +251,19 @@ def test_rollout_logprobs_no_forward_and_anchor_is_mu():
     assert torch.equal(out.keep_mask, batch.response_mask)
 
 
+def test_rollout_logprobs_rejects_non_finite_mu_and_keeps_it_out_of_the_metrics():
+    batch = make_batch([[0, 0, 0, -1], [1, 1, 1, 1]])
+    batch.rollout_logprobs[0, 1] = float("-inf")
+    batch.rollout_logprobs[1, 2] = float("nan")
+    out = RolloutLogprobs().prepare(batch, make_model(), step=1)
+    expected_keep = batch.response_mask.clone()
+    expected_keep[0, 1] = expected_keep[1, 2] = 0.0
+    assert torch.equal(out.keep_mask, expected_keep) and torch.equal(out.weights, expected_keep)
+    assert torch.isfinite(out.anchor_logprobs).all()
+    assert out.metrics["correction/frac_nonfinite"] == 2 / 7  # 2 of the 7 response tokens
+    assert out.metrics["correction/abs_diff_mean"] == 0.0  # a = μ on every finite token
+
+
 @pytest.mark.parametrize("cls", [NoCorrection, TIS])
 def test_current_weight_anchor_methods_score_once(cls):
     model = make_model()

@@ -146,12 +146,7 @@ class Checkpointer:
             tmp.mkdir()
         _barrier()
 
-        state: dict[str, Any] = {}
-        for name, (model, optim) in models.items():
-            if optim is None:
-                state[name] = get_state_dict(model, [])[0]
-            else:
-                state[name], state[name + "_optim"] = get_state_dict(model, optim)
+        state = _model_state(models)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
@@ -228,12 +223,7 @@ class Checkpointer:
                 f"checkpoint {path} was written by {meta['world_size']} ranks but this run has "
                 f"{_world_size()}; resume with --nproc-per-node {meta['world_size']}"
             )
-        state: dict[str, Any] = {}
-        for name, (model, optim) in models.items():
-            if optim is None:
-                state[name] = get_state_dict(model, [])[0]
-            else:
-                state[name], state[name + "_optim"] = get_state_dict(model, optim)
+        state = _model_state(models)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=str(path), no_dist=not _dist())
@@ -250,3 +240,14 @@ class Checkpointer:
         extra = torch.load(path / f"extra_rank{_rank()}.pt", weights_only=False)
         log.info("loaded checkpoint %s (step %d)", path, meta["step"])
         return extra, meta
+
+
+def _model_state(models: dict) -> dict[str, Any]:
+    """The DCP state of ``{name: (model, optimizer or None)}``: ``name`` and ``name_optim`` keys."""
+    state: dict[str, Any] = {}
+    for name, (model, optim) in models.items():
+        if optim is None:
+            state[name] = get_state_dict(model, [])[0]
+        else:
+            state[name], state[name + "_optim"] = get_state_dict(model, optim)
+    return state

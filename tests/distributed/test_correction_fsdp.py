@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import distribute_tensor
 
-from minippo.models import Transformer, init_weights, qwen3_tiny, token_logprobs
+from minippo.models import Transformer, init_weights, qwen3_tiny
 from minippo.parallel import shard_model
-from minippo.rl.correction import EWMA, KeepOldActor, local_shards
+from minippo.rl.correction import EWMA, KeepOldActor, local_shards, response_logprobs
 from minippo.rl.types import RolloutBatch
 
 WORLD_SIZE = 2
@@ -40,13 +40,7 @@ def logits_score(model, batch: RolloutBatch) -> torch.Tensor:
 
 def default_score(model, batch: RolloutBatch) -> torch.Tensor:
     with torch.no_grad():
-        return token_logprobs(
-            model,
-            batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            start=P,
-        )
+        return response_logprobs(model, batch, temperature=1.0)
 
 
 def make_batch(versions, seed):

@@ -90,6 +90,12 @@ def last_boxed(text: str) -> str | None:
     if text[i] != "{":  # \boxed 5
         m = re.match(r"[^\s$]+", text[i:])
         return m.group(0) if m else None
+    j = _closing_brace(text, i)
+    return None if j is None else text[i + 1 : j]
+
+
+def _closing_brace(text: str, i: int) -> int | None:
+    """Index of the ``}`` that closes the ``{`` at ``text[i]`` (nesting respected), or None."""
     depth = 0
     for j in range(i, len(text)):
         if text[j] == "{":
@@ -97,7 +103,7 @@ def last_boxed(text: str) -> str | None:
         elif text[j] == "}":
             depth -= 1
             if depth == 0:
-                return text[i + 1 : j]
+                return j
     return None
 
 
@@ -139,17 +145,10 @@ def _strip_command(s: str, cmd: str) -> str:
         if k < 0:
             return out
         i = k + len(cmd) + 1
-        depth = 0
-        for j in range(i, len(out)):
-            if out[j] == "{":
-                depth += 1
-            elif out[j] == "}":
-                depth -= 1
-                if depth == 0:
-                    out = out[:k] + out[i + 1 : j] + out[j + 1 :]
-                    break
-        else:
+        j = _closing_brace(out, i)
+        if j is None:
             return out
+        out = out[:k] + out[i + 1 : j] + out[j + 1 :]
 
 
 def normalize_answer(s: str) -> str:

@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 
 from minippo.engine import GenerateRequest, SamplingParams, TorchEngine
-from minippo.models import from_pretrained
+from minippo.models import from_pretrained, token_logprobs
 
 
 def build_hf_model(vocab: int, dim: int, layers: int, seed: int):
@@ -79,6 +79,18 @@ def run_engine(engine, requests) -> tuple[float, int]:
     return time.perf_counter() - t0, sum(len(c.token_ids) for c in outs)
 
 
+@torch.no_grad()
+def logprob_agreement(engine, model, requests) -> float:
+    """max |engine logprob - teacher-forced logprob of ``model``| over ``requests`` (equal
+    prompt lengths): the fast decode path must still return the trainer's numbers."""
+    outs = engine.generate(requests)
+    ids = torch.tensor([list(c.prompt_ids) + list(c.token_ids) for c in outs])
+    start = len(outs[0].prompt_ids)
+    ref = token_logprobs(model, ids, start=start)
+    got = torch.tensor([c.logprobs for c in outs])
+    return float((ref - got).abs().max())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens, 1 repeat")
@@ -120,6 +132,8 @@ def main() -> None:
     )
     hf_times, eng_times, comp_times, nocomp_times = [], [], [], []
     try:
+        agreement = logprob_agreement(engine, ours, requests[:8])
+        kernel = engine.stats()["linear_kernel"]
         # interleaved runs so that both sides see the same load on shared cores; run 0 warms up
         for r in range(args.repeats + 1):
             t_hf = run_hf(hf, prompts, args.new_tokens, seed=r)
@@ -145,6 +159,10 @@ def main() -> None:
         f"model: Qwen3 4 layers, hidden 256, vocab 32000 (fp32); batch {args.batch} x "
         f"{args.prompt_len} prompt tokens, {args.new_tokens} new tokens, T=1.0; "
         f"torch threads {args.threads}; {args.repeats} interleaved runs after a warm-up"
+    )
+    print(
+        f"engine linear kernels: {kernel}; max |engine - teacher-forced| logprob (fp32, 8 "
+        f"prompts): {agreement:.2g}"
     )
     print(f"{'generator':<34}{'best tok/s':>12}{'median tok/s':>14}{'median s':>10}")
     print(row("HF transformers generate()", hf_times, total))

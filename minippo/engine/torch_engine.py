@@ -16,11 +16,15 @@ exactly what "this token was sampled by version v" means to the corrections.
 Sampling (per row; each request owns a ``torch.Generator`` seeded by its ``seed``):
     z = logits / T  (T = 1 for greedy),   logprob(token) = log_softmax(z)[token] over the full vocab
     top-k / top-p remove tokens from z (never renormalising the reported logprob);
-    token = first index i with cdf_i > u · cdf_V,  cdf = cumsum(softmax(z_kept)) in float64,
-            u ~ U(0, 1): one uniform per row and step (inverse-CDF sampling)
+    token = first index i with cdf_i > u · cdf_V,  cdf = running sum of exp(z_kept - max z) in
+            float64, u ~ U(0, 1): one uniform per row and step (inverse-CDF sampling, searched
+            block by block: see ``sample_next``)
     greedy (T == 0): token = argmax(logits).
 Each row's random draws depend only on its own generator, so a seeded request gives the same tokens
 whatever else is in the batch (up to floating-point differences of batched matmuls).
+
+Kernels: on CPU (float32 / bfloat16, oneDNN) every linear layer of the engine's model copy runs
+with weights packed once per publish (``pack_linears``); see docs/engine.md.
 
 Process model: ``TorchEngine(model)`` sends ``(ModelArgs, state dict)`` to a spawned child process
 that builds its own copy of the model and serves requests from a message queue, so generation
@@ -62,6 +66,9 @@ def default_num_threads() -> int:
 # Sampling (pure functions)
 
 
+_CDF_BLOCK = 256  # vocabulary block of the two-level inverse-CDF search in ``sample_next``
+
+
 def sample_next(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -76,9 +83,12 @@ def sample_next(
 
     z = logits / T (T = 1 for greedy rows);  logprob = z[token] - logsumexp(z)  (full vocabulary)
     sampling: inverse CDF of softmax(z restricted to top-k / top-p), one uniform u per row from
-    the row's own generator: token = first i with cdf_i > u * cdf_V (cdf accumulated in float64).
+    the row's own generator: token = first i with cdf_i > u * cdf_V, with cdf the running sum of
+    exp(z - max z) in float64. The search runs in two levels so that no [k, V] cumulative sum is
+    built: block sums (blocks of ``_CDF_BLOCK`` tokens) locate the block, one cumulative sum inside
+    that block locates the token.
     """
-    k, vocab = logits.shape
+    k = logits.shape[0]
     z = logits.float()
     greedy = temperature <= 0
     if bool((temperature != 1).any()):
@@ -87,29 +97,63 @@ def sample_next(
     e = (z - zmax).exp_()  # softmax numerators, [k, V], max entry 1
     sampled_rows = (~greedy).nonzero().flatten().tolist()
     filtered = bool(((top_k > 0) | (top_p < 1))[~greedy].any()) if sampled_rows else False
-    cdf = e.double().cumsum_(dim=-1)  # cdf[:, -1] = Σ exp(z - zmax) in float64
+    block_mass = _block_sums(e)  # [k, n_blocks] float64
     # logsumexp(z) = zmax + log Σ exp(z - zmax)
-    lse = zmax.squeeze(-1).double() + cdf[:, -1].log()
+    lse = zmax.squeeze(-1).double() + block_mass.sum(-1).log()
     if len(sampled_rows) < k:
         tokens = z.argmax(dim=-1)
     else:
         tokens = torch.empty(k, dtype=torch.long, device=logits.device)
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
-        c = cdf if len(sampled_rows) == k else cdf[rows]
+        all_rows = len(sampled_rows) == k
+        probs, mass = (e, block_mass) if all_rows else (e[rows], block_mass[rows])
         if filtered:
-            kept = _filter_top_k_top_p(
-                e[rows] if len(sampled_rows) < k else e, top_k[rows], top_p[rows]
-            )
-            c = kept.double().cumsum_(dim=-1)
+            probs = _filter_top_k_top_p(probs, top_k[rows], top_p[rows])
+            mass = _block_sums(probs)
         u = torch.cat(
-            [torch.rand(1, generator=generators[r], device=c.device) for r in sampled_rows]
+            [torch.rand(1, generator=generators[r], device=e.device) for r in sampled_rows]
         )
-        target = (u.to(c) * c[:, -1])[:, None]
-        drawn = torch.searchsorted(c, target, right=True).squeeze(-1).clamp_(max=vocab - 1)
-        tokens[rows] = drawn
+        tokens[rows] = _inverse_cdf(probs, mass, u)
     logprobs = (z.gather(-1, tokens[:, None]).squeeze(-1).double() - lse).float()
     return tokens, logprobs
+
+
+def _block_sums(probs: torch.Tensor) -> torch.Tensor:
+    """Float64 sums of consecutive ``_CDF_BLOCK``-token blocks of ``probs [k, V]`` (the last
+    block may be shorter): ``[k, ceil(V / _CDF_BLOCK)]``."""
+    k, vocab = probs.shape
+    full = vocab // _CDF_BLOCK * _CDF_BLOCK
+    parts = []
+    if full:
+        parts.append(probs[:, :full].reshape(k, -1, _CDF_BLOCK).sum(-1, dtype=torch.float64))
+    if full < vocab:
+        parts.append(probs[:, full:].sum(-1, keepdim=True, dtype=torch.float64))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def _inverse_cdf(probs: torch.Tensor, block_mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """First index i with cdf_i > u * cdf_V per row (``probs [k, V] >= 0``, unnormalised;
+    ``block_mass = _block_sums(probs)``; ``u [k]`` in [0, 1)). The drawn token always has
+    positive mass, whatever the rounding of the two summation orders."""
+    k, vocab = probs.shape
+    block_cdf = block_mass.cumsum(dim=-1)
+    target = u.double() * block_cdf[:, -1]
+    n_blocks = block_cdf.shape[1]
+    b = torch.searchsorted(block_cdf, target[:, None], right=True).clamp_(max=n_blocks - 1)
+    before = block_cdf.gather(1, b).squeeze(-1) - block_mass.gather(1, b).squeeze(-1)
+    # the tokens of each row's block (a short last block is padded with zero mass)
+    idx = b * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=probs.device)[None, :]
+    inside = idx < vocab
+    seg = probs.gather(1, idx.clamp(max=vocab - 1)).masked_fill_(~inside, 0.0)
+    seg_cdf = seg.double().cumsum_(dim=-1)
+    rest = (target - before).clamp_(min=0.0)[:, None]  # >= 0: the first pick has positive mass
+    j = torch.searchsorted(seg_cdf, rest, right=True).squeeze(-1)
+    # rounding can put the target past the block's last positive token: take that token then
+    positive = torch.arange(_CDF_BLOCK, device=probs.device)[None, :].expand(k, -1)
+    last_positive = positive.masked_fill(seg <= 0, -1).amax(dim=-1)
+    j = torch.minimum(j, last_positive)
+    return b.squeeze(-1) * _CDF_BLOCK + j
 
 
 def _filter_top_k_top_p(
@@ -119,15 +163,77 @@ def _filter_top_k_top_p(
 
     probs Float[k, V] >= 0. top-k keeps ranks < k (k = 0: all); top-p keeps a token when the
     normalised mass of the tokens ranked before it is < p (the most likely token is always kept).
+    Rows with neither filter come back unchanged.
+
+    Only the head of each row is ranked: ``topk(n)`` with n = 64, 1024, 16384, ... until every
+    filtered row's cut falls inside its first n tokens, because sorting all V entries costs far
+    more than a decode step; once n would pass V / 8 the rows are sorted instead.
     """
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-    cum = sorted_p.double().cumsum(dim=-1)
-    mass_before = (cum - sorted_p.double()) / cum[:, -1:]
-    keep &= mass_before < top_p[:, None].double()
-    keep_unsorted = torch.zeros_like(keep).scatter(-1, order, keep)
-    return probs.masked_fill(~keep_unsorted, 0.0)
+    vocab = probs.shape[-1]
+    filtered = (top_k > 0) | (top_p < 1)
+    total = probs.sum(-1, keepdim=True, dtype=torch.float64)
+    n = min(vocab, max(64, int(top_k.max())))
+    while True:
+        if n >= vocab:
+            vals, order = probs.sort(dim=-1, descending=True)
+        else:
+            vals, order = probs.topk(n, dim=-1)  # sorted, descending
+        rank = torch.arange(vals.shape[-1], device=probs.device)[None, :]
+        keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+        mass_before = (vals.double().cumsum(dim=-1) - vals.double()) / total
+        keep &= (top_p[:, None] >= 1) | (mass_before < top_p[:, None].double())  # 1: off
+        if n >= vocab or not bool((keep[:, -1] & filtered).any()):
+            break
+        n = 16 * n if 16 * n <= vocab // 8 else vocab
+    out = torch.zeros_like(probs).scatter_(-1, order, vals.masked_fill(~keep, 0.0))
+    return torch.where(filtered[:, None], out, probs)
+
+
+def _onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear kernel can run on ``device`` in ``dtype``."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
+class _PackedLinear(nn.Module):
+    """An ``nn.Linear``'s own parameters, applied with oneDNN's packed CPU kernel.
+
+    The weight is reordered once into oneDNN's blocked layout (``repack()``, after every weight
+    change) instead of on every call: for the decode shapes (a few dozen rows) this runs the
+    matmuls up to about twice as fast as ``F.linear`` (same math; docs/benchmarks.md). The
+    parameters stay the module's ``weight`` / ``bias``, so names and publishes are unchanged.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.repack()
+
+    def repack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> list[_PackedLinear]:
+    """Replace every ``nn.Linear`` of ``model`` (the engine's private copy) by a
+    :class:`_PackedLinear` sharing its parameters; return them (call ``repack()`` after loading
+    new weights). Needs :func:`_onednn_linear_available` for the model's device and dtype."""
+    packed = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                new = _PackedLinear(child)
+                setattr(parent, name, new)
+                packed.append(new)
+    return packed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +294,11 @@ class _Server:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self._refresh_lm_head()
+        # CPU float32 / bfloat16 with oneDNN: every linear layer (lm_head included) runs with
+        # weights packed once per publish; elsewhere the model's own nn.Linear layers
+        packable = _onednn_linear_available(self.device, self.dtype)
+        self.linear_kernel = "onednn_packed" if packable else "torch"
+        self.packed = pack_linears(self.model) if packable else []
         self.waiting: list[_Row] = []
         self.active: list[_Row] = []  # rows of the running wave
         self.calls: dict[int, list[_Row]] = {}  # generate call -> its rows in request order
@@ -254,7 +364,7 @@ class _Server:
                 self._reply(call_id, result)
                 return
             elif kind == "stats":
-                self._reply(call_id, dict(self.stats))
+                self._reply(call_id, {**self.stats, "linear_kernel": self.linear_kernel})
                 return
             elif kind in ("sleep", "wake"):
                 self._sleep_wake(kind)
@@ -289,7 +399,8 @@ class _Server:
                 error = e
         if error is not None:
             raise error
-        self._refresh_lm_head()
+        for layer in self.packed:
+            layer.repack()
         self.version = version
         self.stale_cache = True  # in-flight rows re-prefill under the new weights
 
@@ -307,15 +418,6 @@ class _Server:
                 )
             p.copy_(tensor)
 
-    def _refresh_lm_head(self) -> None:
-        """Cache W_out^T contiguous [D, V]: ``h @ W_out^T`` as a plain matmul is faster on CPU
-        than ``F.linear`` for the decode shapes (same math; rebuilt after every publish)."""
-        self.lm_head_t = self.model.output.weight.detach().t().contiguous()
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Last hidden states [k, D] -> logits [k, V] (the lm_head; it has no bias)."""
-        return h @ self.lm_head_t
-
     def _sleep_wake(self, kind: str) -> None:
         if self.active or self.waiting:
             raise RuntimeError(f"{kind}() needs an idle engine; abort or wait for requests first")
@@ -323,10 +425,8 @@ class _Server:
             if kind == "sleep":
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
-                self.lm_head_t = None
             else:
                 self.model.to(self.device)
-                self._refresh_lm_head()
             self.params = dict(self.model.named_parameters(remove_duplicate=False))
 
     def _finish_calls(self) -> None:
@@ -381,7 +481,7 @@ class _Server:
             kv_cache=cache,
             return_hidden=True,
         )
-        return self._logits(h[:, -1]), cache
+        return self.model.output(h[:, -1]), cache
 
     def _generate(self, rows: list[_Row]) -> None:
         dev = self.device
@@ -459,7 +559,7 @@ class _Server:
                 kv_cache=cache,
                 return_hidden=True,
             )
-            logits = self._logits(h[:, -1])
+            logits = self.model.output(h[:, -1])
 
 
 def _serve_in_child(spec: dict, inbox: Any, outbox: Any) -> None:
@@ -664,8 +764,10 @@ class TorchEngine:
         """request id -> tokens generated so far, for requests not yet finished."""
         return self._call("progress", None)
 
-    def stats(self) -> dict[str, int]:
-        """Counters: waves, decode_steps, row_steps (rows summed over steps), reprefills."""
+    def stats(self) -> dict[str, int | str]:
+        """Counters: waves, decode_steps, row_steps (rows summed over steps), reprefills; and
+        ``linear_kernel``: ``"onednn_packed"`` (CPU, float32 / bfloat16, weights packed once per
+        publish) or ``"torch"`` (the model's own ``nn.Linear`` layers)."""
         return self._call("stats", None)
 
     def shutdown(self) -> None:

@@ -5,13 +5,23 @@ Measured here (printed with -s): max |engine logprob - teacher-forced trainer lo
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 
 import pytest
 import torch
 
 from minippo.engine import GenerateRequest, SamplingParams
-from minippo.engine.torch_engine import TorchEngine, sample_next
+from minippo.engine.torch_engine import (
+    TorchEngine,
+    _block_sums,
+    _filter_top_k_top_p,
+    _inverse_cdf,
+    _onednn_linear_available,
+    pack_linears,
+    sample_next,
+)
 from minippo.models import Transformer, hf_name, init_weights, qwen3_tiny, token_logprobs
 from minippo.training.rollout_queue import collate_completions
 from tests.engine_suite import EngineHarness, EngineProtocolSuite
@@ -216,6 +226,78 @@ def test_sample_next_top_k_top_p_and_greedy():
         t, _ = sample_next(small, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]), g)
         counts[t] += 1
     assert torch.allclose(counts / 3000, torch.softmax(small[0], -1), atol=0.03)
+
+
+@pytest.mark.parametrize("vocab", [3, 256, 300, 32_000])
+def test_two_level_inverse_cdf_draws_what_a_full_float64_cumsum_draws(vocab):
+    """Block sums + one in-block cumsum pick the same token as searching the full float64 cdf,
+    and never a token of zero mass (zeros, a short last block, underflowed tails)."""
+    gen = torch.Generator().manual_seed(vocab)
+    for scale in (0.5, 3.0, 30.0):
+        z = torch.randn(16, vocab, generator=gen) * scale
+        probs = (z - z.amax(-1, keepdim=True)).exp()
+        probs[:, torch.randperm(vocab, generator=gen)[: vocab // 3]] = 0.0
+        probs[torch.arange(16), z.argmax(-1)] = 1.0
+        u = torch.rand(16, generator=gen)
+        cdf = probs.double().cumsum(-1)
+        want = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)
+        got = _inverse_cdf(probs, _block_sums(probs), u)
+        assert torch.equal(got, want.squeeze(-1))
+        assert bool((probs.gather(1, got[:, None]) > 0).all())
+    # u right at the ends of [0, 1) still lands on tokens with mass
+    probs = torch.zeros(2, vocab)
+    probs[:, vocab // 2] = 1.0
+    edges = _inverse_cdf(probs, _block_sums(probs), torch.tensor([0.0, 1 - 2**-24]))
+    assert edges.tolist() == [vocab // 2, vocab // 2]
+
+
+def test_top_k_top_p_filter_equals_ranking_the_whole_vocabulary():
+    """The filter ranks only the head of each row (topk, widened as needed): the kept set must
+    equal the one from sorting all V entries, for small and large nuclei."""
+    gen = torch.Generator().manual_seed(0)
+    for vocab, scale in [(50, 1.0), (5000, 0.2), (5000, 2.0), (32_000, 4.0), (32_000, 0.3)]:
+        probs = (torch.randn(12, vocab, generator=gen) * scale).softmax(-1)
+        top_k = torch.tensor([0, 0, 0, 0, 5, 40, 0, 3, 0, 100, 0, 0])
+        top_p = torch.tensor([0.5, 0.9, 0.99, 1.0, 1.0, 0.95, 0.1, 0.7, 1.0, 1.0, 0.8, 0.999])
+        ranked, order = probs.sort(-1, descending=True)
+        mass_before = (ranked.double().cumsum(-1) - ranked.double()) / ranked.double().sum(-1, True)
+        rank = torch.arange(vocab)[None, :]
+        keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+        keep &= (top_p[:, None] >= 1) | (mass_before < top_p[:, None])  # top_p = 1: off
+        want = torch.zeros_like(keep).scatter(-1, order, keep)
+        got = _filter_top_k_top_p(probs, top_k, top_p)
+        assert torch.equal(got > 0, want), (vocab, scale)
+        assert torch.equal(got[want], probs[want])  # kept mass is not renormalised
+
+
+@pytest.mark.skipif(
+    not _onednn_linear_available(torch.device("cpu"), torch.float32), reason="needs oneDNN"
+)
+def test_packed_linears_keep_names_and_outputs_and_follow_publishes():
+    model = init_weights(
+        Transformer(dataclasses.replace(ARGS, qkv_bias=True, tie_word_embeddings=False)),
+        seed=3,
+        std=0.1,
+    ).eval()
+    names = [n for n, _ in model.named_parameters()]
+    ids = torch.randint(1, ARGS.vocab_size, (3, 9))
+    with torch.no_grad():
+        want = model(ids)
+        packed_model = copy.deepcopy(model)
+        layers = pack_linears(packed_model)
+        assert len(layers) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert [n for n, _ in packed_model.named_parameters()] == names
+        assert (packed_model(ids) - want).abs().max() <= 1e-5
+        # new weights reach the packed kernels only through repack(), which a publish calls
+        for p in packed_model.parameters():
+            p.mul_(0.5)
+        for layer in layers:
+            layer.repack()
+        for p in model.parameters():
+            p.mul_(0.5)
+        assert (packed_model(ids) - model(ids)).abs().max() <= 1e-5
+    with TorchEngine(model_of(0), in_process=True) as eng:
+        assert eng.stats()["linear_kernel"] == "onednn_packed"
 
 
 def test_prompt_ids_outside_the_vocabulary_are_refused(engine):

@@ -58,7 +58,7 @@ from minippo.rl import (
 )
 from minippo.rl.correction import build_correction, validate_async_off_policy_correction
 from minippo.training.checkpoint import Checkpointer, capture_rng_state, restore_rng_state
-from minippo.training.metrics import NoOpLogger
+from minippo.training.metrics import MetricAverager, NoOpLogger, reduce_over_ranks
 from minippo.training.nan_guard import NonFiniteGuard
 from minippo.training.progress import ProgressBar
 from minippo.training.rollout_queue import RolloutQueue
@@ -378,7 +378,7 @@ class AsyncPPORecipe:
             metrics.update(self._perf(rollouts, t_step, t_prep, t_train, t_pub, now))
             metrics["train/lr"] = self.scheduler.get_last_lr()[0]
             metrics["train/actor_updated"] = float(train_actor)
-            metrics = self._mean_over_ranks(metrics)
+            metrics = self._reduce_over_ranks(metrics)
             if (step + 1) % cfg.log_every_n_steps == 0 or step + 1 == self.total_steps:
                 self.logger.log(metrics, step=step)
             self.progress.update(step, metrics)
@@ -421,13 +421,8 @@ class AsyncPPORecipe:
     ) -> dict[str, float]:
         cfg, ppo = self.cfg, self.cfg.ppo
         W = self.world_size  # FSDP averages gradients over ranks; the losses are sums: × W
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
-
-        def add(d: dict[str, float]) -> None:
-            for k, v in d.items():
-                sums[k] += float(v)
-                counts[k] += 1
+        stats = MetricAverager()  # per-token stats weigh by tokens, minibatch values by 1
+        add = stats.add
 
         # A seeded generator per (step, rank): the minibatch order is independent of the global
         # RNG state, so a resumed run shuffles exactly like an uninterrupted one.
@@ -448,6 +443,7 @@ class AsyncPPORecipe:
                 for micro in rows.split(ppo.micro_batch_size):
                     mb = batch.select(micro)
                     m = mb.response_mask
+                    tokens = float(m.sum())
                     agg = dict(
                         agg_mode=ppo.loss_agg_mode, global_tokens=n.tokens, global_seqs=n.seqs
                     )
@@ -470,14 +466,14 @@ class AsyncPPORecipe:
                             kl, kst = kl_loss(logp, ref_logprobs[micro], m, cfg.kl.estimator, **agg)
                             loss = loss + cfg.kl.coef * kl
                             shares["train/kl_loss"] += kst.pop("train/kl_loss")
-                            add(kst)
+                            add(kst, tokens)
                         if inject_nan:
                             loss = loss * float("nan")
                         (loss * W).backward()
                         loss_sum += float(loss.detach())
                         shares["train/policy_loss"] += st.pop("train/policy_loss")
-                        add(st)
-                        add({"train/entropy": float(masked_mean(entropy.detach(), m))})
+                        st["train/entropy"] = float(masked_mean(entropy.detach(), m))
+                        add(st, tokens)
                     if self.use_critic:
                         v, _ = split_critic_values(self._values(mb), m)
                         vloss, vst = value_loss(
@@ -491,7 +487,7 @@ class AsyncPPORecipe:
                         (vloss * W).backward()
                         vloss_sum += float(vloss.detach())
                         shares["train/value_loss"] += vst.pop("train/value_loss")
-                        add(vst)
+                        add(vst, tokens)
                 if train_actor:
                     norm = clip_grad_norm_(self.actor.parameters(), ppo.max_grad_norm)
                     if self.actor_guard.check(loss_sum, norm, step=step):
@@ -506,7 +502,7 @@ class AsyncPPORecipe:
                     self.critic_optimizer.zero_grad(set_to_none=True)
                     add({"train/critic_grad_norm": float(norm)})
                 add({k: v * W for k, v in shares.items()})
-        out = {k: sums[k] / counts[k] for k in sums}
+        out = stats.result()
         skipped = self.actor_guard.skipped_total + self.critic_guard.skipped_total
         out["train/nonfinite_skipped_total"] = float(skipped)
         return out
@@ -522,15 +518,12 @@ class AsyncPPORecipe:
             "perf/tokens_per_s": tokens / max(now - t_step, 1e-9),
         }
 
-    def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+    def _reduce_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         if not self.dist.distributed:
             return metrics
         gathered: list[dict[str, float]] = [{} for _ in range(self.world_size)]
         dist.all_gather_object(gathered, metrics)
-        keys = sorted(set().union(*gathered))
-        return {
-            k: sum(g[k] for g in gathered if k in g) / sum(k in g for g in gathered) for k in keys
-        }
+        return reduce_over_ranks(gathered)
 
     # ------------------------------------------------------------------------------ checkpoints
     def _models(self) -> dict:

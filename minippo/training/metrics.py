@@ -10,6 +10,10 @@ namespaced (``train/``, ``rollout/``, ``correction/``, ``perf/``) and values are
   the logger is built, with an error that names the package to install.
 * :class:`NoOpLogger` (what non-zero ranks use) and :class:`MultiLogger` (several at once).
 
+Aggregation: :class:`MetricAverager` folds per-micro-batch stats into one value per step
+(token-weighted means; ``*_max`` keys keep the largest value), :func:`reduce_over_ranks` folds the
+ranks' metrics (``*_max`` / ``*_min`` keys take the max / min, the rest the mean).
+
 In a config::
 
     metric_logger:
@@ -265,3 +269,50 @@ class MultiLogger:
     def close(self) -> None:
         for lg in self.loggers:
             lg.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Aggregation
+
+
+def _extreme(key: str):
+    return max if key.endswith("_max") else min if key.endswith("_min") else None
+
+
+class MetricAverager:
+    """Accumulate stats over micro-batches / minibatches into one value per key.
+
+    ``add(stats, weight)``: a key's result is ``Σ weight · value / Σ weight`` (pass a micro-batch's
+    response-token count for per-token stats, the default 1 for per-minibatch values such as
+    losses and gradient norms); a ``*_max`` / ``*_min`` key keeps the largest / smallest value.
+    A key whose weights sum to 0 comes out NaN.
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+        self._weights: dict[str, float] = {}
+
+    def add(self, stats: Mapping[str, float], weight: float = 1.0) -> None:
+        for k, v in stats.items():
+            v = float(v)
+            extreme = _extreme(k)
+            if extreme is not None:
+                self._sums[k] = extreme(self._sums.get(k, v), v)
+                self._weights[k] = 1.0
+            else:
+                self._sums[k] = self._sums.get(k, 0.0) + v * weight
+                self._weights[k] = self._weights.get(k, 0.0) + weight
+
+    def result(self) -> dict[str, float]:
+        return {k: self._sums[k] / w if (w := self._weights[k]) else math.nan for k in self._sums}
+
+
+def reduce_over_ranks(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """One metrics dict from every rank's: ``*_max`` keys take the max, ``*_min`` the min, the
+    rest the mean over the ranks that have the key."""
+    out = {}
+    for k in sorted(set().union(*per_rank)):
+        vals = [m[k] for m in per_rank if k in m]
+        extreme = _extreme(k)
+        out[k] = extreme(vals) if extreme is not None else sum(vals) / len(vals)
+    return out

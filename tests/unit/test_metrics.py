@@ -10,6 +10,7 @@ import torch
 
 from minippo.training.metrics import (
     JsonlLogger,
+    MetricAverager,
     MetricLogger,
     MultiLogger,
     NoOpLogger,
@@ -17,6 +18,7 @@ from minippo.training.metrics import (
     TensorBoardLogger,
     WandBLogger,
     read_jsonl,
+    reduce_over_ranks,
 )
 
 
@@ -96,3 +98,31 @@ def test_plot_metrics_writes_png(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(KeyError, match="no finite values"):
         plot_metrics(path, ["train/loss"], tmp_path / "x.png")
+
+
+def test_metric_averager_weighs_by_tokens_and_keeps_extremes():
+    avg = MetricAverager()
+    # two micro-batches: 3 tokens with clip fraction 1.0, 1 token with 0.0
+    avg.add({"train/clip_frac_high": 1.0, "train/ratio_max": 1.5}, 3)
+    avg.add({"train/clip_frac_high": 0.0, "train/ratio_max": 2.5}, 1)
+    avg.add({"train/grad_norm": 2.0})  # per-minibatch values: weight 1 each
+    avg.add({"train/grad_norm": 4.0})
+    avg.add({"train/entropy": 0.7}, 0)  # a micro-batch without tokens counts for nothing
+    out = avg.result()
+    assert out["train/clip_frac_high"] == 0.75  # the unweighted mean would say 0.5
+    assert out["train/ratio_max"] == 2.5
+    assert out["train/grad_norm"] == 3.0
+    assert math.isnan(out["train/entropy"])
+
+
+def test_reduce_over_ranks_means_and_extremes():
+    ranks = [
+        {"rollout/reward_mean": 0.2, "rollout/response_len_max": 7.0, "x_min": 1.0, "only0": 5.0},
+        {"rollout/reward_mean": 0.4, "rollout/response_len_max": 3.0, "x_min": -2.0},
+    ]
+    assert reduce_over_ranks(ranks) == {
+        "only0": 5.0,
+        "rollout/response_len_max": 7.0,
+        "rollout/reward_mean": pytest.approx(0.3),
+        "x_min": -2.0,
+    }

@@ -612,6 +612,11 @@ def check_options(method: str, options: dict[str, Any]) -> None:
             raise ValueError(
                 f"correction ewma: reset_below must be in (0, 1), got reset_below={rb}"
             )
+        if o.get("swap_storage", "accelerator") not in STORAGE_DEVICES:
+            raise ValueError(
+                f"correction ewma: swap_storage={o['swap_storage']!r} is not one of "
+                f"{list(STORAGE_DEVICES)}"
+            )
     if method == "keep_old_actor":
         if o.get("storage", "cpu") not in STORAGE_DEVICES:
             raise ValueError(
@@ -1076,6 +1081,10 @@ class EWMA(Correction):
             With s = 0 (synchronous) β = 0: θ̄ is the current weights.
         cap: c of the symmetric train-inference mask [1/c, c] (> 1).
         reset_below: reset θ̄ to the current weights when the retained fraction falls below this.
+        swap_storage: where the buffer that saves the actor's weights while θ̄ is swapped in
+            lives: "accelerator" (the parameters' device: two device-local copies per swap) or
+            "cpu" (pinned when CUDA is available: saves one training-dtype copy of the local
+            shards on the accelerator, the swap then crosses the host link twice).
         plus the common arguments of ``Correction``.
 
     θ̄ is fp32 local shards on the parameters' device, updated after every optimizer step by
@@ -1084,7 +1093,7 @@ class EWMA(Correction):
     """
 
     method = "ewma"
-    options = ("beta", "cap", "reset_below")
+    options = ("beta", "cap", "reset_below", "swap_storage")
 
     def __init__(
         self,
@@ -1092,9 +1101,13 @@ class EWMA(Correction):
         beta: float | None = None,
         cap: float = 2.0,
         reset_below: float = 0.8,
+        swap_storage: str = "accelerator",
         **common: Any,
     ):
-        check_options(self.method, {"beta": beta, "cap": cap, "reset_below": reset_below})
+        check_options(
+            self.method,
+            {"beta": beta, "cap": cap, "reset_below": reset_below, "swap_storage": swap_storage},
+        )
         super().__init__(**common)
         s = self.max_staleness * self.updates_per_step / 2
         self.beta = float(beta) if beta is not None else s / (1 + s)
@@ -1103,7 +1116,8 @@ class EWMA(Correction):
         self.n = 1.0
         self.resets = 0
         self.theta_bar: list[torch.Tensor] | None = None
-        self._swap = _ParamSwap()
+        self.swap_storage = swap_storage
+        self._swap = _ParamSwap(torch.device("cpu") if swap_storage == "cpu" else None)
 
     def _reset(self, actor: nn.Module) -> None:
         """θ̄ ← θ (fp32), n ← 1."""

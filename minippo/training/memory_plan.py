@@ -19,7 +19,8 @@ bytes; T = micro_batch · seq_len tokens, R = micro_batch · response_len scored
                           plus the lm_head chunk recomputed in backward (chunked logprobs)
     reference model       P · m (frozen, sharded like the actor, no gradients or optimizer)
     critic                the same four items for the value model
-    correction            ewma: P · 4 (fp32 θ̄) + P · m (swap buffer), on the device;
+    correction            ewma: P · 4 (fp32 θ̄) on the device + P · m (swap buffer: device, or
+                          host with swap_storage: cpu);
                           keep_old_actor: live versions · P · storage bytes (+ P · m swap buffer)
                           in host memory ("cpu", the default) or on the device ("accelerator");
                           live versions = max_staleness + 1 (+ 1 with partial rollouts)
@@ -331,6 +332,7 @@ class PlanInputs:
         actor_optimizer / critic_optimizer: (OptimizerSpec, minimal_size)
         correction:              method name (ewma, keep_old_actor, tis, ...)
         snapshot_storage:        "cpu" or "accelerator" (keep_old_actor)
+        swap_storage:            "accelerator" or "cpu" (ewma's swap buffer)
         snapshot_bytes:          bytes per element of a snapshot (None: master_bytes)
         max_staleness, partial_rollout
         score_rows:              sequences per forward of the no-grad passes (None: micro_batch)
@@ -358,6 +360,7 @@ class PlanInputs:
     critic_optimizer: tuple[OptimizerSpec, int]
     correction: str
     snapshot_storage: str = "cpu"
+    swap_storage: str = "accelerator"
     snapshot_bytes: int | None = None
     max_staleness: int = 0
     partial_rollout: bool = False
@@ -466,10 +469,10 @@ class MemoryPlan:
             elif name.startswith("correction") and item.device:
                 if x.correction == "keep_old_actor":
                     out.append(f"{name}: correction.storage=cpu (snapshots in host memory)")
-                else:
+                elif x.correction == "ewma" and x.swap_storage != "cpu":
                     out.append(
-                        f"{name}: correction ewma keeps an fp32 copy; keep_old_actor with "
-                        "storage=cpu moves the anchor weights to host memory"
+                        f"{name}: correction.swap_storage=cpu moves ewma's swap buffer to host "
+                        "memory (the fp32 θ̄ stays on the device)"
                     )
             elif name.endswith(("gradients", "parameters")) and x.master_bytes > 2:
                 out.append(f"{name}: more ranks shard it further (now {x.world_size})")
@@ -731,6 +734,9 @@ def _correction_item(x: PlanInputs) -> PlanItem:
     m = x.master_bytes
     method = x.correction
     if method == "ewma":
+        if x.swap_storage == "cpu":
+            note = "fp32 θ̄ shard on device, swap buffer on host"
+            return PlanItem("correction (ewma)", P * 4, P * m, note=note)
         return PlanItem(
             "correction (ewma)", P * 4 + P * m, note="fp32 θ̄ shard + swap buffer, on device"
         )
@@ -903,7 +909,7 @@ def plan_inputs_from_config(
     response = int(_get(cfg, "response_len", what="maximum response length"))
     opt = _get(cfg, "optimizer", what="optimizer")
     critic_opt = _get(cfg, "critic_optimizer", opt, what="critic optimizer")
-    method, storage, sbytes = "none", "cpu", None
+    method, storage, swap_storage, sbytes = "none", "cpu", "accelerator", None
     corr = _get(cfg, "correction", None, what="correction")
     if corr is not None:
         from minippo.rl.correction import correction_class
@@ -911,6 +917,7 @@ def plan_inputs_from_config(
         comp = str(corr.get("_component_", ""))
         method = correction_class(comp).method if comp else "none"
         storage = str(corr.get("storage", "cpu"))
+        swap_storage = str(corr.get("swap_storage", "accelerator"))
         if corr.get("storage_dtype") is not None:
             sbytes = _dtype_bytes(corr.get("storage_dtype"), "correction.storage_dtype")
     gpu = None
@@ -936,6 +943,7 @@ def plan_inputs_from_config(
         critic_optimizer=optimizer_spec(critic_opt),
         correction=method,
         snapshot_storage=storage,
+        swap_storage=swap_storage,
         snapshot_bytes=sbytes,
         max_staleness=int(_get(cfg, "max_staleness", 0, what="max_staleness")),
         partial_rollout=bool(_get(cfg, "partial_rollout", False, what="partial_rollout")),

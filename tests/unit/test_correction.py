@@ -39,7 +39,7 @@ def perturb(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
+            p.add_((torch.randn(p.shape, generator=g) * scale).to(p.device))
 
 
 def weights_of(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -547,6 +547,43 @@ def test_ewma_no_reset_when_retained():
     out = corr.prepare(_batch_scored_by(model, [[1, 1, 1, 1]]), model, step=1)
     assert out.metrics["correction/ewma_resets"] == 0
     assert out.metrics["correction/retained_fraction"] == 1.0
+
+
+def _ewma_prepare(swap_storage: str, device: str = "cpu"):
+    model = make_model().to(device)
+    corr = EWMA(max_staleness=2, updates_per_step=1, swap_storage=swap_storage)
+    corr.on_weights_published(0, model)
+    for k in range(2):
+        perturb(model, seed=300 + k)
+        corr.after_optimizer_step(model)
+    current = weights_of(model)
+    batch = make_batch([[1, 1, 1, 1], [0, 1, 1, -1]])
+    out = corr.prepare(batch.to(device), model, step=2)
+    for p, w in zip(model.parameters(), current):  # the actor's own weights are back
+        assert torch.equal(p, w)
+    return corr, out
+
+
+def test_ewma_swap_buffer_on_host_gives_the_same_anchors():
+    corr_dev, out_dev = _ewma_prepare("accelerator")
+    corr_cpu, out_cpu = _ewma_prepare("cpu")
+    assert torch.equal(out_cpu.anchor_logprobs, out_dev.anchor_logprobs)
+    assert corr_cpu._swap.device == torch.device("cpu") and corr_dev._swap.device is None
+    assert all(t.device.type == "cpu" for t in corr_cpu._swap._saved)
+    assert (
+        out_cpu.metrics["correction/swap_buffer_bytes"]
+        == (out_dev.metrics["correction/swap_buffer_bytes"])
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ewma_swap_buffer_on_host_with_cuda_parameters():
+    corr, out = _ewma_prepare("cpu", device="cuda")
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in corr._swap._saved)
+    assert all(t.device.type == "cuda" for t in corr.theta_bar)
+    _, ref = _ewma_prepare("accelerator", device="cuda")
+    assert torch.equal(out.anchor_logprobs, ref.anchor_logprobs)
 
 
 def test_ewma_after_step_before_init_is_an_error():

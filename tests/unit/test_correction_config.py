@@ -131,6 +131,7 @@ def test_only_gae_counts_as_critic():
         ({"_component_": P + "EWMA", "reset_below": 1.2}, r"reset_below=1\.2"),
         ({"_component_": P + "EWMA", "reset_below": 0.0}, r"reset_below=0\.0"),
         ({"_component_": P + "EWMA", "cap": 0.5}, r"cap=0\.5"),
+        ({"_component_": P + "EWMA", "swap_storage": "disk"}, r"swap_storage='disk'"),
         ({"_component_": P + "KeepOldActor", "cap": 0}, r"cap=0"),
         ({"_component_": P + "KeepOldActor", "storage": "disk"}, r"storage='disk'"),
         ({"_component_": P + "KeepOldActor", "storage_dtype": "int8"}, r"storage_dtype='int8'"),

@@ -311,6 +311,9 @@ def test_switches_shrink_what_they_should():
     opt8 = _plan(_run_cfg(optimizer={"_component_": "torchao.optim.AdamW8bit"}))
     noac = _plan(_run_cfg(activation_checkpointing=False))
     ewma = _plan(_run_cfg(correction={"_component_": "minippo.rl.correction.EWMA"}))
+    ewma_host = _plan(
+        _run_cfg(correction={"_component_": "minippo.rl.correction.EWMA", "swap_storage": "cpu"})
+    )
     sleep = _plan(
         _run_cfg(
             engine={
@@ -342,6 +345,10 @@ def test_switches_shrink_what_they_should():
         > 10 * item(base, "no-grad scoring passes").device
     )
     assert item(ewma, "correction (ewma)").device > 0 and ewma.host_total == 0
+    # swap_storage: cpu moves the swap buffer (one master-dtype copy of the shards) to the host
+    moved = item(ewma, "correction (ewma)").device - item(ewma_host, "correction (ewma)").device
+    assert moved == item(ewma_host, "correction (ewma)").host > 0
+    assert ewma_host.device_total == ewma.device_total - moved
     assert sleep.device_total == base.device_total - item(base, "engine (mem_fraction)").device
     small = _plan(_run_cfg(), gpu=20)
     assert small.fits is False

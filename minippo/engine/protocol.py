@@ -159,11 +159,14 @@ class Completion:
         return self.finish_reason == "length"
 
 
-def validate_requests(requests: Sequence[GenerateRequest], *, max_seq_len: int | None) -> None:
+def validate_requests(
+    requests: Sequence[GenerateRequest], *, max_seq_len: int | None, vocab_size: int | None = None
+) -> None:
     """Check a batch of requests before any work is done; raise ValueError naming the problem.
 
     Every backend calls this first. ``max_seq_len`` is the engine's context length: a request
     needs ``len(prompt_ids) + max_new_tokens <= max_seq_len`` (None skips the length check).
+    ``vocab_size``, when given, bounds the prompt ids: every id must be ``< vocab_size``.
     Request ids must be unique within the call.
     """
     seen: set[str] = set()
@@ -177,6 +180,13 @@ def validate_requests(requests: Sequence[GenerateRequest], *, max_seq_len: int |
             )
         if any((not isinstance(t, int)) or t < 0 for t in req.prompt_ids):
             raise ValueError(f"request {i} ({req.request_id!r}): prompt ids must be ints >= 0")
+        if vocab_size is not None:
+            bad = [t for t in req.prompt_ids if t >= vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {i} ({req.request_id!r}): prompt ids {bad[:5]} are outside the "
+                    f"vocabulary (vocab_size {vocab_size})"
+                )
         try:
             req.params.validate()
         except ValueError as e:

@@ -309,11 +309,16 @@ class _Server:
 
     # -- message loop ------------------------------------------------------------------------
     def serve(self) -> None:
-        while self.running:
-            if self.waiting and not self.paused:
-                self._run_wave()
-            else:
-                self._handle(self.inbox.get())
+        """Serve until shutdown; the closing reply ``("ok", -1, "closed")`` (sent in both modes,
+        even if the loop fails) tells the parent's reader thread to stop."""
+        try:
+            while self.running:
+                if self.waiting and not self.paused:
+                    self._run_wave()
+                else:
+                    self._handle(self.inbox.get())
+        finally:
+            self.outbox.put(("ok", -1, "closed"))
 
     def _poll(self) -> None:
         """Handle every queued message; while paused, block until resumed. Between two steps."""
@@ -466,10 +471,11 @@ class _Server:
         self._finish_calls()
 
     def _prefill(
-        self, seq: torch.Tensor, mask: torch.Tensor, max_len: int
-    ) -> tuple[torch.Tensor, Any]:
-        """Forward ``seq [k, L]`` (left-padded, ``mask`` Bool[k, L]) into a fresh KVCache of
-        ``max_len`` positions; return the last position's logits ``[k, V]`` and the cache."""
+        self, seq: torch.Tensor, mask: torch.Tensor, max_len: int, no_padding: bool
+    ) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """Forward ``seq [k, L]`` (left-padded, ``mask`` Bool[k, L]; ``no_padding``: mask is all
+        True) into a fresh KVCache of ``max_len`` positions; return the last position's logits
+        ``[k, V]``, the cache and the last position's position id ``Long[k, 1]``."""
         cache = KVCache(
             self.model.args, seq.shape[0], max_len, dtype=self.dtype, device=self.device
         )
@@ -477,31 +483,35 @@ class _Server:
         h = self.model(
             seq,
             position_ids=pos,
-            attention_mask=None if bool(mask.all()) else mask,
+            attention_mask=None if no_padding else mask,
             kv_cache=cache,
             return_hidden=True,
         )
-        return self.model.output(h[:, -1]), cache
+        return self.model.output(h[:, -1]), cache, pos[:, -1:]
 
     def _generate(self, rows: list[_Row]) -> None:
         dev = self.device
         k = len(rows)
         p_len = max(len(r.request.prompt_ids) for r in rows)
         max_new = max(r.request.params.max_new_tokens for r in rows)
-        seq = torch.zeros(k, p_len, dtype=torch.long, device=dev)
-        mask = torch.zeros(k, p_len, dtype=torch.bool, device=dev)
+        # prompt (left-padded) | generated tokens, preallocated; seq[:, :col] is what exists so far
+        seq = torch.zeros(k, p_len + max_new, dtype=torch.long, device=dev)
+        mask = torch.zeros(k, p_len + max_new, dtype=torch.bool, device=dev)
+        mask[:, p_len:] = True  # generated columns are never padding
         for i, r in enumerate(rows):
             ids = r.request.prompt_ids
-            seq[i, p_len - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            mask[i, p_len - len(ids) :] = True
+            seq[i, p_len - len(ids) : p_len] = torch.tensor(ids, dtype=torch.long)
+            mask[i, p_len - len(ids) : p_len] = True
         params = [r.request.params for r in rows]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         stops = [set(p.stop_token_ids) for p in params]
-        no_padding = bool(mask.all())
 
-        logits, cache = self._prefill(seq, mask, p_len + max_new)
+        col = p_len  # column of the next sampled tokens
+        no_padding = bool(mask.all())
+        # pos: position id of the newest token of each row, Long[k, 1]
+        logits, cache, pos = self._prefill(seq[:, :col], mask[:, :col], p_len + max_new, no_padding)
         self.stale_cache = False
         while True:
             tokens, logprobs = sample_next(
@@ -522,8 +532,8 @@ class _Server:
                 finished_now |= r.finish_reason is not None
             self.stats["decode_steps"] += 1
             self.stats["row_steps"] += len(rows)
-            seq = torch.cat([seq, tokens[:, None]], dim=1)
-            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.bool, device=dev)], 1)
+            seq[:, col] = tokens
+            col += 1
             if finished_now:
                 self._finish_calls()
                 alive = [i for i, r in enumerate(rows) if r.finish_reason is None]
@@ -533,7 +543,7 @@ class _Server:
                     idx = torch.tensor(alive, device=dev)
                     rows = [rows[i] for i in alive]
                     stops = [stops[i] for i in alive]
-                    seq, mask, tokens = seq[idx], mask[idx], tokens[idx]
+                    seq, mask, tokens, pos = seq[idx], mask[idx], tokens[idx], pos[idx]
                     temperature, top_k, top_p = temperature[idx], top_k[idx], top_p[idx]
                     cache.keep(idx)
                     self.active = rows
@@ -547,15 +557,17 @@ class _Server:
                     for r in rows
                     if r.finish_reason is None
                 )
-                logits, cache = self._prefill(seq, mask, seq.shape[1] + remaining)
                 no_padding = bool(mask.all())
+                logits, cache, pos = self._prefill(
+                    seq[:, :col], mask[:, :col], col + remaining, no_padding
+                )
                 self.stale_cache = False
                 continue
-            pos = mask.long().sum(-1, keepdim=True) - 1  # position of the newest token
+            pos = pos + 1  # the newest token (tokens) sits one position after the previous one
             h = self.model(
                 tokens[:, None],
                 position_ids=pos,
-                attention_mask=None if no_padding else mask,
+                attention_mask=None if no_padding else mask[:, :col],  # cached + new keys
                 kv_cache=cache,
                 return_hidden=True,
             )
@@ -569,7 +581,6 @@ def _serve_in_child(spec: dict, inbox: Any, outbox: Any) -> None:
     outbox.put(("ok", 0, "ready"))
     server = _Server(model, inbox=inbox, outbox=outbox, **spec["server"])
     server.serve()
-    outbox.put(("ok", -1, "closed"))
 
 
 def _build_model(spec: dict) -> nn.Module:
@@ -582,8 +593,7 @@ def _build_model(spec: dict) -> nn.Module:
     ]
     if missing or unexpected:
         raise ValueError(f"engine model state dict mismatch: {missing=} {unexpected=}")
-    if spec["args"].tie_word_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+    model.tie_weights()  # no-op unless tie_word_embeddings (Transformer._apply re-ties too)
     return model.to(spec["dtype"]).eval()
 
 
@@ -668,7 +678,12 @@ class TorchEngine:
             self._outbox = ctx.Queue()
             spec = {
                 "args": model.args,
-                "state_dict": {k: _shared_copy(v) for k, v in model.state_dict().items()},
+                # a tied lm_head is the embedding: sent once, re-tied by _build_model
+                "state_dict": {
+                    k: _shared_copy(v)
+                    for k, v in model.state_dict().items()
+                    if not (k == "output.weight" and model.args.tie_word_embeddings)
+                },
                 "device": str(device),
                 "dtype": dtype,
                 "num_threads": num_threads or default_num_threads(),
@@ -698,14 +713,7 @@ class TorchEngine:
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Complete ``requests`` (validated first); blocks; thread-safe."""
         requests = list(requests)
-        validate_requests(requests, max_seq_len=self.max_seq_len)
-        for i, r in enumerate(requests):
-            bad = [t for t in r.prompt_ids if t >= self.args.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"request {i} ({r.request_id!r}): prompt ids {bad[:5]} are outside the "
-                    f"vocabulary (vocab_size {self.args.vocab_size})"
-                )
+        validate_requests(requests, max_seq_len=self.max_seq_len, vocab_size=self.args.vocab_size)
         if not requests:
             return []
         return self._call("generate", requests)
@@ -784,8 +792,6 @@ class TorchEngine:
                 self._process.join(timeout=10)
         else:
             self._server_thread.join(timeout=30)
-        if self.in_process:
-            self._outbox.put(("stop", 0, None))
         self._reader.join(timeout=5)
         self._finalizer.detach()
         with self._lock:
@@ -852,7 +858,7 @@ class TorchEngine:
                 continue
             except (EOFError, OSError):
                 return
-            if status == "stop" or cid == -1:
+            if cid == -1:  # the server's closing reply
                 return
             with self._lock:
                 entry = self._pending.get(cid)

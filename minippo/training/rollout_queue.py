@@ -174,7 +174,7 @@ def collate_completions(
         versions=versions,
         rewards=torch.tensor(rewards if rewards is not None else [0.0] * b, dtype=torch.float32),
         group_ids=torch.tensor(group_ids, dtype=torch.long),
-        truncated=torch.tensor([c.finish_reason == "length" for c in completions]),
+        truncated=torch.tensor([c.truncated for c in completions]),
     )
 
 

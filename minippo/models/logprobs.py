@@ -127,8 +127,9 @@ def token_logprobs(
     inside its ``forward``, see :class:`ScoreSpec`). Values at padding positions are finite but
     meaningless: mask them.
     """
-    spec = ScoreSpec(start=start, temperature=temperature, chunk_size=chunk_size)
-    return model(input_ids, attention_mask=attention_mask, position_ids=position_ids, score=spec)
+    return _score(
+        model, input_ids, attention_mask, position_ids, temperature, start, chunk_size, False
+    )
 
 
 def token_logprobs_and_entropy(
@@ -146,5 +147,23 @@ def token_logprobs_and_entropy(
 
     entropy[:, j] = H(softmax(logits[:, start - 1 + j] / T))
     """
-    spec = ScoreSpec(start=start, temperature=temperature, chunk_size=chunk_size, with_entropy=True)
+    return _score(
+        model, input_ids, attention_mask, position_ids, temperature, start, chunk_size, True
+    )
+
+
+def _score(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    temperature: float,
+    start: int,
+    chunk_size: int,
+    with_entropy: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``model.forward`` with a :class:`ScoreSpec`: the work of both public scoring functions."""
+    spec = ScoreSpec(
+        start=start, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+    )
     return model(input_ids, attention_mask=attention_mask, position_ids=position_ids, score=spec)

@@ -7,6 +7,7 @@ Public names:
                 reshard_after_forward=True) -> model
     load_full_state_dict(model, state_dict, *, device, broadcast_from_rank0=False) -> model
     assert_not_meta(model)
+    reshard_all(model)   (every FSDP2 module back to sharded, e.g. after a no-grad forward)
     full_tensor_buckets(model, *, bucket_bytes, dtype=None) -> Iterator[list[(hf_name, Tensor)]]
     gather_full_state_dict(model, *, dtype=None, device="cpu", rank0_only=False)
         -> {native_name: Tensor}
@@ -20,6 +21,7 @@ from minippo.parallel.fsdp import (
     full_tensor_buckets,
     gather_full_state_dict,
     load_full_state_dict,
+    reshard_all,
     shard_model,
 )
 
@@ -32,5 +34,6 @@ __all__ = [
     "gather_full_state_dict",
     "init_distributed",
     "load_full_state_dict",
+    "reshard_all",
     "shard_model",
 ]

@@ -28,6 +28,7 @@ __all__ = [
     "full_tensor_buckets",
     "gather_full_state_dict",
     "load_full_state_dict",
+    "reshard_all",
     "shard_model",
 ]
 
@@ -105,9 +106,14 @@ def load_full_state_dict(
     return model
 
 
-def _reshard_all(model: nn.Module) -> None:
-    # after a no-grad forward the root group may still hold unsharded (param_dtype) tensors;
-    # reshard so that every parameter below is the fp32 sharded master
+def reshard_all(model: nn.Module) -> None:
+    """Put every FSDP2 module of ``model`` back in the sharded state (no-op for a plain model).
+
+    After a forward without backward FSDP2 may keep parameters unsharded (always for the root):
+    the registered parameters are then plain full (param_dtype) tensors that the next forward
+    reuses and the next reshard discards. Reading or writing the sharded parameters (the fp32
+    masters, or their local shards) is only meaningful after this.
+    """
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
@@ -134,7 +140,7 @@ def full_tensor_buckets(
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes ({bucket_bytes}) must be positive")
-    _reshard_all(model)
+    reshard_all(model)
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, p in model.named_parameters():  # a tied lm_head is the same Parameter: listed once
@@ -163,7 +169,7 @@ def gather_full_state_dict(
     ``output.weight`` is not included (pass the result to
     :func:`~minippo.models.save_pretrained_state_dict` for an HF export).
     """
-    _reshard_all(model)
+    reshard_all(model)
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out = {}
     for name, p in model.named_parameters():

@@ -41,7 +41,6 @@ other weights in, forward, copy back), so no second model is ever built.
 
 from __future__ import annotations
 
-import importlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -53,10 +52,10 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import nn
 
+from minippo.rl.kl import kl_estimate
+from minippo.rl.losses import LOG_RATIO_CLAMP  # log-ratios are clamped to ±20 before exp
 from minippo.rl.types import RolloutBatch
 
-# Log-ratios are clamped to ±20 before exp (exp(20) ≈ 4.9e8 is finite in float32).
-LOG_RATIO_CLAMP = 20.0
 TIS_LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "mask")
 STORAGE_DEVICES = ("cpu", "accelerator")
@@ -109,27 +108,15 @@ def local_shards(model: nn.Module) -> list[torch.Tensor]:
     """
     from torch.distributed.tensor import DTensor
 
-    _reshard(model)
+    from minippo.parallel.fsdp import reshard_all
+
+    reshard_all(model)  # the local shards are only meaningful in the sharded state
     out = []
     with torch.no_grad():
         for p in model.parameters():
             t = p.detach()
             out.append(t.to_local() if isinstance(t, DTensor) else t)
     return out
-
-
-def _reshard(model: nn.Module) -> None:
-    """Put every FSDP2 module of ``model`` back in the sharded state.
-
-    After a forward without backward FSDP2 may keep parameters unsharded (always for the root):
-    the registered parameters are then plain full tensors that the next forward reuses and the
-    next reshard discards. Reading or writing the local shards is only meaningful when sharded.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
 
 
 def _is_sharded(model: nn.Module) -> list[bool]:
@@ -182,6 +169,8 @@ class _ParamSwap:
     def borrow(self, model: nn.Module) -> Iterator[Callable[[list[torch.Tensor]], None]]:
         """Yield ``load(weights)``, which copies weights into the model's local shards in place;
         the original weights are back on exit (also on error)."""
+        from minippo.parallel.fsdp import reshard_all
+
         shards = local_shards(model)
         layout = [(s.shape, s.dtype) for s in shards]
         if self._saved is None or [(s.shape, s.dtype) for s in self._saved] != layout:
@@ -189,7 +178,8 @@ class _ParamSwap:
 
         def load(weights: list[torch.Tensor]) -> None:
             _check_like("the weights to load", weights, shards)
-            _reshard(model)  # a forward may have left unsharded copies that would shadow the write
+            # a forward may have left unsharded copies that would shadow the write
+            reshard_all(model)
             torch._foreach_copy_(shards, weights)
 
         with torch.no_grad():
@@ -396,7 +386,8 @@ class _WeightStats:
     def add(self, anchor: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, w: Weights) -> None:
         valid = mask > 0
         kept = valid & (w.keep > 0)
-        d, finite = _finite_log_ratio(anchor.float(), mu.float(), valid)
+        anchor, mu = anchor.float(), mu.float()
+        d, finite = _finite_log_ratio(anchor, mu, valid)
         finite = finite & ~w.nonfinite  # tokens rejected as non-finite stay out of |a − μ| and KL
         self.tokens += float(valid.sum())
         self.kept += float(kept.sum())
@@ -413,9 +404,9 @@ class _WeightStats:
             ad = d.abs()[finite]
             self.absdiff_sum += float(ad.sum())
             self.absdiff_max = max(self.absdiff_max, float(ad.max()))
-            # KL(μ ‖ π_anchor) with samples from μ, k3: (ρ − 1) − log ρ, ρ = exp(a − μ)
-            lr = d[finite].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).double()
-            self.k3_sum += float((torch.expm1(lr) - lr).sum())
+            # KL(μ ‖ π_anchor) with samples from μ, k3: (ρ − 1) − log ρ, ρ = exp(a − μ), in fp64
+            k3 = kl_estimate(mu[finite].double(), anchor[finite].double(), "k3")
+            self.k3_sum += float(k3.sum())
 
     def as_dict(self) -> dict[str, float]:
         n = max(self.tokens, 1.0)
@@ -987,8 +978,7 @@ class KeepOldActor(Correction):
         valid = mask > 0
         present = [int(v) for v in torch.unique(versions[valid]).tolist()]
         group = _process_group(self.process_group)
-        shards0 = local_shards(actor)
-        device = shards0[0].device if shards0 else torch.device("cpu")
+        device = mask.device  # the batch lives on the actor's device (it is scored there)
         to_score = _union_versions(present, group, device)
         if self._swap is None:
             self._swap = _ParamSwap(self._storage_device())
@@ -1046,7 +1036,7 @@ class KeepOldActor(Correction):
         self._snapshots = {}
         self._spare = None
         # "cpu" storage: fresh (pinned) CPU buffers; "accelerator": where the loader put them
-        device = torch.device("cpu") if self.storage == "cpu" else None
+        device = self._storage_device()
         for v, tensors in state["snapshots"].items():
             buf = _alloc_like(list(tensors), dtype=self.storage_dtype, device=device)
             with torch.no_grad():
@@ -1116,7 +1106,6 @@ class EWMA(Correction):
         self.n = 1.0
         self.resets = 0
         self.theta_bar: list[torch.Tensor] | None = None
-        self.swap_storage = swap_storage
         self._swap = _ParamSwap(torch.device("cpu") if swap_storage == "cpu" else None)
 
     def _reset(self, actor: nn.Module) -> None:
@@ -1153,15 +1142,20 @@ class EWMA(Correction):
     def distance(self, actor: nn.Module) -> float:
         """‖θ̄ − θ‖₂ over the whole model (all ranks' shards)."""
         shards = local_shards(actor)
-        sq = [0.0, 0.0]  # sharded (summed over ranks), replicated (counted once)
+        device = shards[0].device if shards else torch.device("cpu")
+        # Σ‖θ̄ − θ‖² of the sharded (summed over ranks) and the replicated (counted once)
+        # parameters, accumulated in fp64 on the device: one host sync in all
+        sq = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(2)]
         with torch.no_grad():
             for tb, t, sharded in zip(self.theta_bar, shards, _is_sharded(actor)):
                 # one tensor-sized fp32 temporary at a time
-                sq[0 if sharded else 1] += float(torch.linalg.vector_norm(tb - t.float())) ** 2
+                sq[0 if sharded else 1] += torch.linalg.vector_norm(tb - t.float()).double() ** 2
         group = _process_group(self.process_group)
-        device = shards[0].device if shards else torch.device("cpu")
-        (sharded_sq,) = _all_reduce([sq[0]], "sum", group, device)
-        return math.sqrt(sharded_sq + sq[1])
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(sq[0], group=group)
+        return math.sqrt(float(sq[0] + sq[1]))
 
     def _prepare(self, batch, actor, step):
         if self.theta_bar is None:
@@ -1269,10 +1263,11 @@ def correction_class(component: str) -> type[Correction]:
             f"correction._component_={component} is not a correction; choose one of "
             f"{[COMPONENT_PREFIX + n for n in CLASS_NAMES.values()]}"
         )
-    module, _, attr = component.rpartition(".")
+    from minippo.config import locate
+
     try:
-        obj = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as e:
+        obj = locate(component, "correction._component_")
+    except (ImportError, ValueError) as e:  # locate raises ConfigError, a ValueError
         raise ValueError(f"correction._component_={component} cannot be imported: {e}") from e
     if not (isinstance(obj, type) and issubclass(obj, Correction) and obj.method in METHODS):
         raise ValueError(
@@ -1282,13 +1277,13 @@ def correction_class(component: str) -> type[Correction]:
     return obj
 
 
-def _correction_node(cfg: Any) -> tuple[str, dict[str, Any]]:
-    """(method, options) of ``cfg.correction``; absent or null means ``none``."""
+def _correction_node(cfg: Any) -> tuple[type[Correction], dict[str, Any]]:
+    """(class, options) of ``cfg.correction``; absent or null means ``NoCorrection``."""
     from omegaconf import DictConfig, OmegaConf
 
     node = _select(cfg, "correction")
     if node is None:
-        return "none", {}
+        return NoCorrection, {}
     if not isinstance(node, DictConfig):
         raise ValueError(
             f"correction must be a mapping with a _component_ key, got {node!r}; e.g. "
@@ -1301,7 +1296,7 @@ def _correction_node(cfg: Any) -> tuple[str, dict[str, Any]]:
             f"correction has no _component_ key (got keys {sorted(options)}); set e.g. "
             f"correction._component_={COMPONENT_PREFIX}EWMA"
         )
-    return correction_class(component).method, options
+    return correction_class(component), options
 
 
 def _fix_message(reason: str) -> str:
@@ -1352,7 +1347,8 @@ def validate_async_off_policy_correction(cfg: Any) -> str:
     uses_critic = estimator in CRITIC_ESTIMATORS
     is_async = max_staleness >= 1 or partial_rollout
 
-    method, options = _correction_node(cfg)
+    cls, options = _correction_node(cfg)
+    method = cls.method
     check_options(method, options)
     if "max_staleness" in options and options["max_staleness"] != max_staleness:
         raise ValueError(
@@ -1398,9 +1394,7 @@ def build_correction(
     per minibatch), ``rollout.max_staleness`` from ``cfg``, ``score_fn`` and ``process_group``
     to the constructor, with the node's own keys as the method options.
     """
-    _, options = _correction_node(cfg)
-    node = _select(cfg, "correction")
-    cls = NoCorrection if node is None else correction_class(node["_component_"])
+    cls, options = _correction_node(cfg)
     common = {
         "temperature": temperature,
         "max_staleness": int(_select(cfg, "rollout.max_staleness", default=0)),

@@ -13,10 +13,11 @@ import torch
 
 from minippo.rl.aggregation import aggregate
 from minippo.rl.functional import masked_mean
+from minippo.rl.losses import LOG_RATIO_CLAMP
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 # d is clamped to ±KL_LOG_RATIO_CLAMP before use: exp(20) ≈ 4.9e8 stays finite in float32.
-KL_LOG_RATIO_CLAMP = 20.0
+KL_LOG_RATIO_CLAMP = LOG_RATIO_CLAMP  # the losses' clamp, under the name docs/rl.md uses
 
 
 def kl_estimate(

@@ -131,8 +131,11 @@ def policy_loss(
 
     with torch.no_grad():
         kept_f = kept.to(logprobs.dtype)
+        # kl.py imports this module's LOG_RATIO_CLAMP, so its estimator is imported here
+        from minippo.rl.kl import kl_estimate
+
         r = ratio.detach()
-        d = -log_ratio.detach()  # d = a − log π_θ
+        lp = logprobs.detach()  # k3 of d = clamp(a − log π_θ, ±20), the log-ratio clamped above
         n_valid = int(valid.sum())
         stats = {
             "train/policy_loss": float(loss.detach()),
@@ -145,7 +148,7 @@ def policy_loss(
             "train/dual_clip_frac": (
                 float(masked_mean(dual_binds.to(r.dtype), kept_f)) if dual_clip is not None else 0.0
             ),
-            "train/approx_kl": float(masked_mean(torch.expm1(d) - d, kept_f)),
+            "train/approx_kl": float(masked_mean(kl_estimate(lp, anchor, "k3"), kept_f)),
             "train/ratio_mean": float(masked_mean(r, kept_f)),
             "train/ratio_max": _masked_max(r, kept_f),
             "train/kept_frac": float(kept.sum()) / max(n_valid, 1),

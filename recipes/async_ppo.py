@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,17 +26,18 @@ from minippo.config import instantiate, locate
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
 from minippo.models import (
+    TOKENIZER_FILES,
     Transformer,
     ValueModel,
     from_pretrained,
     init_weights,
     save_pretrained_state_dict,
-    token_logprobs,
     token_logprobs_and_entropy,
     value_model_from_pretrained,
 )
 from minippo.parallel import (
     apply_activation_checkpointing,
+    destroy_distributed,
     full_tensor_buckets,
     gather_full_state_dict,
     init_distributed,
@@ -56,10 +58,15 @@ from minippo.rl import (
     split_critic_values,
     value_loss,
 )
-from minippo.rl.correction import build_correction, validate_async_off_policy_correction
+from minippo.rl.correction import (
+    build_correction,
+    response_logprobs,
+    validate_async_off_policy_correction,
+)
 from minippo.training.checkpoint import Checkpointer, capture_rng_state, restore_rng_state
 from minippo.training.metrics import MetricAverager, NoOpLogger, reduce_over_ranks
 from minippo.training.nan_guard import NonFiniteGuard
+from minippo.training.optimizers import build_optimizer
 from minippo.training.progress import ProgressBar
 from minippo.training.rollout_queue import RolloutQueue
 
@@ -176,7 +183,7 @@ class AsyncPPORecipe:
         self.dist = init_distributed()
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.device = self.dist.device
-        self.is_main = self.rank == 0
+        self.is_main = self.dist.is_main
         if self.device.type == "cpu":
             # the engine process takes the other cores; oversubscribed intra-op threads spin
             ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -213,18 +220,20 @@ class AsyncPPORecipe:
         if self.use_ref:
             self.ref = self._place(self._build_model(cfg, critic=False), trainable=False)
 
-        self.optimizer = instantiate(cfg.optimizer, self.actor.parameters())
+        self.optimizer = build_optimizer(cfg.optimizer, self.actor.parameters())
         self.scheduler = instantiate(cfg.lr_scheduler, self.optimizer)
         self.critic_optimizer = self.critic_scheduler = None
         if self.use_critic:
-            self.critic_optimizer = instantiate(cfg.critic.optimizer, self.critic.parameters())
+            self.critic_optimizer = build_optimizer(cfg.critic.optimizer, self.critic.parameters())
             self.critic_scheduler = instantiate(cfg.lr_scheduler, self.critic_optimizer)
         self.updates_per_step = cfg.ppo.epochs * cfg.ppo.minibatches
         self.correction = build_correction(  # anchors scored like every no-grad pass
             cfg,
             temperature=self.temperature,
             updates_per_step=self.updates_per_step,
-            score_fn=lambda model, b: self._scored(lambda mb: self._logprobs(model, mb), b),
+            score_fn=lambda model, b: self._scored(
+                partial(response_logprobs, model, temperature=self.temperature), b
+            ),
         )
         self.actor_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
         self.critic_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
@@ -313,7 +322,8 @@ class AsyncPPORecipe:
 
             # step 1. rewards (scored by the queue's thread); debug: inject a NaN
             rewards = batch.rewards
-            if step in cfg.debug.nan_loss_at_steps:
+            inject_nan = step in cfg.debug.nan_loss_at_steps
+            if inject_nan:
                 metrics["debug/nan_injected"] = 1.0
 
             # step 2. no-grad passes: reference logprobs, critic values, correction anchors
@@ -321,7 +331,9 @@ class AsyncPPORecipe:
             with torch.no_grad():
                 ref_logprobs = values = bootstrap = None
                 if self.use_ref:
-                    ref_logprobs = self._scored(lambda mb: self._logprobs(self.ref, mb), batch)
+                    ref_logprobs = self._scored(
+                        partial(response_logprobs, self.ref, temperature=self.temperature), batch
+                    )
                 if self.use_critic:
                     values, bootstrap = split_critic_values(self._scored(self._values, batch), mask)
                 corr = self.correction.prepare(batch, self.actor, step=step)
@@ -360,7 +372,15 @@ class AsyncPPORecipe:
             t_train = time.perf_counter()
             train_actor = not (self.use_critic and step < cfg.critic.warmup_steps)
             stats = self._ppo_updates(
-                step, batch, corr, advantages, returns, values, ref_logprobs, train_actor
+                step,
+                batch,
+                corr,
+                advantages,
+                returns,
+                values,
+                ref_logprobs,
+                train_actor,
+                inject_nan,
             )
             metrics.update(stats)
             metrics.update(corr.metrics)  # after the updates (loglinear_prox completes them)
@@ -381,7 +401,7 @@ class AsyncPPORecipe:
             metrics = self._reduce_over_ranks(metrics)
             if (step + 1) % cfg.log_every_n_steps == 0 or step + 1 == self.total_steps:
                 self.logger.log(metrics, step=step)
-            self.progress.update(step, metrics)
+            self.progress.update(metrics)
             last = step + 1 == self.total_steps
             if (step + 1) % cfg.checkpoint.every_n_steps == 0 or last:
                 self.save_checkpoint(step + 1)
@@ -394,9 +414,8 @@ class AsyncPPORecipe:
             if cfg.checkpoint.export_hf:
                 print(f"HF export of the actor: {(Path(cfg.output_dir) / 'hf_export').resolve()}")
 
-    def _logprobs(self, model, batch, *, with_entropy=False):
-        fn = token_logprobs_and_entropy if with_entropy else token_logprobs
-        return fn(
+    def _logprobs_and_entropy(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs_and_entropy(
             model,
             batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -417,7 +436,16 @@ class AsyncPPORecipe:
         ).float()
 
     def _ppo_updates(
-        self, step, batch, corr, advantages, returns, old_values, ref_logprobs, train_actor
+        self,
+        step,
+        batch,
+        corr,
+        advantages,
+        returns,
+        old_values,
+        ref_logprobs,
+        train_actor,
+        inject_nan,
     ) -> dict[str, float]:
         cfg, ppo = self.cfg, self.cfg.ppo
         W = self.world_size  # FSDP averages gradients over ranks; the losses are sums: × W
@@ -427,15 +455,13 @@ class AsyncPPORecipe:
         # A seeded generator per (step, rank): the minibatch order is independent of the global
         # RNG state, so a resumed run shuffles exactly like an uninterrupted one.
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + self.rank)
-        inject_nan = step in cfg.debug.nan_loss_at_steps
         for _epoch in range(ppo.epochs):
             perm = torch.randperm(batch.batch_size, generator=gen)
             for rows in perm.chunk(ppo.minibatches):
+                # no zero_grad here: every minibatch ends with one (below, also after a skipped
+                # step), and nothing between minibatches runs a backward
                 n = global_counts(batch.response_mask[rows])
-                if train_actor:
-                    self.optimizer.zero_grad(set_to_none=True)
-                if self.use_critic:
-                    self.critic_optimizer.zero_grad(set_to_none=True)
+                agg = dict(agg_mode=ppo.loss_agg_mode, global_tokens=n.tokens, global_seqs=n.seqs)
                 loss_sum = vloss_sum = 0.0
                 # each micro-batch's loss is its share of the minibatch loss (global counts):
                 # shares add up, and × W their mean over ranks is the sum over ranks
@@ -444,11 +470,8 @@ class AsyncPPORecipe:
                     mb = batch.select(micro)
                     m = mb.response_mask
                     tokens = float(m.sum())
-                    agg = dict(
-                        agg_mode=ppo.loss_agg_mode, global_tokens=n.tokens, global_seqs=n.seqs
-                    )
                     if train_actor:
-                        logp, entropy = self._logprobs(self.actor, mb, with_entropy=True)
+                        logp, entropy = self._logprobs_and_entropy(self.actor, mb)
                         c = corr.minibatch(micro.to(self.device), logp)
                         loss, st = policy_loss(
                             logp,
@@ -548,9 +571,7 @@ class AsyncPPORecipe:
             "critic_scheduler": self.critic_scheduler and self.critic_scheduler.state_dict(),
             "guards": [self.actor_guard.state_dict(), self.critic_guard.state_dict()],
         }
-        self.ckpt_path = self.checkpointer.save(
-            step, models=self._models(), extra=extra, meta={"version": step}
-        )
+        self.ckpt_path = self.checkpointer.save(step, models=self._models(), extra=extra)
 
     def _load_checkpoint(self, path: Path) -> None:
         extra, meta = self.checkpointer.load(path, models=self._models())
@@ -575,11 +596,11 @@ class AsyncPPORecipe:
 
     def _export_hf(self, path: Path) -> None:
         """The trained actor as an HF folder (config.json + safetensors + tokenizer files)."""
-        state = gather_full_state_dict(self.actor)  # collective
+        state = gather_full_state_dict(self.actor, rank0_only=True)  # collective; {} off rank 0
         if self.is_main:
             save_pretrained_state_dict(state, self.actor.args, path)
             src = self.cfg.checkpoint_path
-            for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            for name in TOKENIZER_FILES:
                 if src and (Path(src) / name).is_file():
                     shutil.copy(Path(src) / name, path / name)
 
@@ -588,8 +609,8 @@ class AsyncPPORecipe:
             obj = getattr(self, close, None)
             if obj is not None:
                 (obj.shutdown if close == "engine" else obj.close)()
-        if self.dist.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.dist.distributed:
+            destroy_distributed()
 
 
 def recipe_main(cfg: DictConfig) -> None:

@@ -45,10 +45,17 @@ from minippo.models.model import (
     qwen3_tiny,
     rope_inv_freq,
 )
-from minippo.models.tokenizer import HFTokenizer, TinyTokenizer, Tokenizer, load_tokenizer
+from minippo.models.tokenizer import (
+    TOKENIZER_FILES,
+    HFTokenizer,
+    TinyTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "TOKENIZER_FILES",
     "HFTokenizer",
     "KVCache",
     "ModelArgs",

@@ -65,7 +65,7 @@ class TinyTokenizer:
         """text -> one id per character."""
         ids = []
         for pos, ch in enumerate(text):
-            if ch not in self.stoi or ch in _TINY_SPECIALS:
+            if ch not in self.stoi:
                 raise ValueError(
                     f"TinyTokenizer cannot encode character {ch!r} at position {pos} of {text!r}; "
                     f"allowed characters: {_TINY_CHARS!r}"
@@ -138,9 +138,6 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
     def apply_chat_template(
         self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
@@ -192,6 +189,15 @@ def _read_json(path: Path) -> dict:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+# every file of an HF folder that ``load_tokenizer`` reads (an export copies all of them)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 def load_tokenizer(path: str | Path) -> HFTokenizer:

@@ -56,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from minippo.config import ConfigError, locate
+from minippo.models.logprobs import DEFAULT_CHUNK_SIZE
 from minippo.training.optimizers import (
     OptimizerSpec,
     StateBytes,
@@ -80,7 +81,6 @@ __all__ = [
 ]
 
 GiB = 1 << 30
-DEFAULT_LOGITS_CHUNK = 1024  # minippo.models.logprobs.DEFAULT_CHUNK_SIZE, what the recipe uses
 CUDA_CONTEXT_BYTES = 1 * GiB
 DTYPE_BYTES = {
     "float32": 4,
@@ -166,10 +166,6 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.current[dev] = self.current.get(dev, 0) + nbytes
         if self.current[dev] > self.peak.get(dev, 0):
             self.peak[dev] = self.current[dev]
-
-    def reset_peak(self) -> None:
-        """Start a new peak from the current live bytes."""
-        self.peak = dict(self.current)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t.__name__ == "DTensor" for t in types):
@@ -540,10 +536,6 @@ def _size(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB // 10 else f"{n / 2**20:.2f} MiB"
 
 
-def _gib(n: int) -> str:
-    return f"{n / GiB:.2f}"
-
-
 def _model_items(
     name: str,
     args: Any,
@@ -551,9 +543,13 @@ def _model_items(
     spec: tuple[OptimizerSpec, int],
     *,
     value_head: bool,
+    shapes: list[tuple[int, ...]] | None = None,
 ) -> tuple[list[PlanItem], ActivationBytes]:
+    """Parameters, gradients, optimizer states (and the FSDP working set) of one model, and its
+    activations; ``shapes``: its parameter shapes when the caller has them already."""
     W, m, c = x.world_size, x.master_bytes, x.compute_bytes
-    shapes = model_param_shapes(args, value_head=value_head)
+    if shapes is None:
+        shapes = model_param_shapes(args, value_head=value_head)
     local = _local(shapes, W)
     P = sum(local)
     opt: StateBytes = optimizer_state_bytes(
@@ -610,15 +606,20 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
     if x.world_size < 1:
         raise ValueError(f"world_size ({x.world_size}) must be >= 1")
     plan = MemoryPlan(inputs=x)
-    items, act = _model_items("actor", x.actor, x, x.actor_optimizer, value_head=False)
+    W = x.world_size
+    # the actor's shapes and local element count P serve the actor, reference, correction and
+    # engine items
+    actor_shapes = model_param_shapes(x.actor)
+    P = sum(_local(actor_shapes, W))
+    items, act = _model_items(
+        "actor", x.actor, x, x.actor_optimizer, value_head=False, shapes=actor_shapes
+    )
     plan.items += items
     acts = [("actor activations", act)]
-    without = None
     if x.critic is not None:
         items, cact = _model_items("critic", x.critic, x, x.critic_optimizer, value_head=True)
         plan.items += items
         acts.append(("critic activations", cact))
-    W = x.world_size
     # the other configuration of activation checkpointing, for the table's note
     alt = activation_bytes(
         x.actor,
@@ -641,16 +642,13 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
             note += f"; {without}"
         plan.items.append(PlanItem(name, a.total, note=note, at_peak=peak, phase="train"))
     if x.reference:
-        P_ref = sum(_local(model_param_shapes(x.actor), W))
-        plan.items.append(
-            PlanItem("reference model", P_ref * x.master_bytes, note="frozen, sharded")
-        )
-    plan.items.append(_correction_item(x))
+        plan.items.append(PlanItem("reference model", P * x.master_bytes, note="frozen, sharded"))
+    plan.items.append(_correction_item(x, P))
     plan.items.append(_scoring_item(x))
     if x.device == "cuda":
         if x.engine_mem_fraction:
             gpu = x.gpu_mem_bytes or 0
-            host = _numel(model_param_shapes(x.actor)) * 2 if x.engine_weights_host_copy else 0
+            host = _numel(actor_shapes) * 2 if x.engine_weights_host_copy else 0
             mode = "released while training (sleep)" if x.engine_sleeps else "overlap"
             plan.items.append(
                 PlanItem(
@@ -729,8 +727,8 @@ def _scoring_item(x: PlanInputs) -> PlanItem:
     )
 
 
-def _correction_item(x: PlanInputs) -> PlanItem:
-    P = sum(_local(model_param_shapes(x.actor), x.world_size))
+def _correction_item(x: PlanInputs, P: int) -> PlanItem:
+    """The correction's stored weights; ``P``: the actor's local parameter elements."""
     m = x.master_bytes
     method = x.correction
     if method == "ewma":
@@ -938,7 +936,7 @@ def plan_inputs_from_config(
         activation_checkpointing=bool(
             _get(cfg, "activation_checkpointing", False, what="activation_checkpointing")
         ),
-        logits_chunk=int(_get(cfg, "logits_chunk", DEFAULT_LOGITS_CHUNK, what="chunk")),
+        logits_chunk=int(_get(cfg, "logits_chunk", DEFAULT_CHUNK_SIZE, what="chunk")),
         actor_optimizer=optimizer_spec(opt),
         critic_optimizer=optimizer_spec(critic_opt),
         correction=method,

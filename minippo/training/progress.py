@@ -28,7 +28,7 @@ def bar_postfix(metrics: Mapping[str, float]) -> dict[str, str]:
 
 
 class ProgressBar:
-    """A tqdm bar over training steps; ``update(step, metrics)`` after each step.
+    """A tqdm bar over training steps; ``update(metrics)`` after each step.
 
     Args:
         total: total training steps; initial: the first step (a resumed run).
@@ -45,13 +45,9 @@ class ProgressBar:
             dynamic_ncols=True,
         )
 
-    def update(self, step: int, metrics: Mapping[str, float]) -> None:
+    def update(self, metrics: Mapping[str, float]) -> None:
         self._bar.set_postfix(bar_postfix(metrics), refresh=False)
         self._bar.update(1)
-
-    def write(self, line: str) -> None:
-        """Print a line without breaking the bar."""
-        self._bar.write(line)
 
     def close(self) -> None:
         self._bar.close()

@@ -1,10 +1,11 @@
 """Tokenizers: TinyTokenizer round trips; load_tokenizer against transformers' AutoTokenizer."""
 
 import json
+import shutil
 
 import pytest
 
-from minippo.models import TinyTokenizer, Tokenizer, load_tokenizer, qwen3_tiny
+from minippo.models import TOKENIZER_FILES, TinyTokenizer, Tokenizer, load_tokenizer, qwen3_tiny
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -126,6 +127,25 @@ def test_load_tokenizer_reads_chat_template_jinja_written_by_transformers(
         msgs, add_generation_prompt=True, tokenize=False
     )
     assert tok.encode("hello world") == ref.encode("hello world", add_special_tokens=False)
+
+
+def test_tokenizer_files_are_all_an_export_needs(hf_tokenizer_dir, tmp_path):
+    """Copying TOKENIZER_FILES (what the recipe's HF export copies) keeps the tokenizer whole,
+    including a chat template that transformers wrote to chat_template.jinja."""
+    from transformers import AutoTokenizer
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    AutoTokenizer.from_pretrained(str(hf_tokenizer_dir)).save_pretrained(str(src))
+    assert (src / "chat_template.jinja").is_file()
+    dst.mkdir()
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+    a, b = load_tokenizer(src), load_tokenizer(dst)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert b.apply_chat_template(msgs) == a.apply_chat_template(msgs)
+    assert (b.eos_ids, b.pad_id, b.bos_id) == (a.eos_ids, a.pad_id, a.bos_id)
+    assert b.encode("hello world") == a.encode("hello world")
 
 
 def test_load_tokenizer_errors(tmp_path, hf_tokenizer_dir):

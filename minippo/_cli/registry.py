@@ -24,7 +24,6 @@ class Recipe:
     name: str
     file_path: str  # relative to recipes/
     configs: tuple[Config, ...]
-    supports_distributed: bool
 
 
 RECIPES: tuple[Recipe, ...] = (
@@ -36,7 +35,6 @@ RECIPES: tuple[Recipe, ...] = (
             Config(name="qwen3_0_6b_gsm8k_1gpu", file_path="qwen3_0_6b_gsm8k_1gpu.yaml"),
             Config(name="qwen3_4b_dapo_math_8gpu", file_path="qwen3_4b_dapo_math_8gpu.yaml"),
         ),
-        supports_distributed=True,
     ),
 )
 

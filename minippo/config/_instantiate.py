@@ -79,7 +79,7 @@ def instantiate(node: DictConfig | dict | None, *args: Any, **kwargs: Any) -> An
     if not isinstance(node, DictConfig) or COMPONENT not in node:
         raise ConfigError(f"{_key(node)}: instantiate needs a mapping with a {COMPONENT} key")
     path = _key(node)
-    target = locate(node[COMPONENT], f"{path}.{COMPONENT}" if path else COMPONENT)
+    target = locate(node[COMPONENT], _join(path, COMPONENT))
     cfg_kwargs = {k: _build(node[k], _join(path, k)) for k in node if k != COMPONENT}
     cfg_kwargs.update(kwargs)
     _bind(target, args, cfg_kwargs, path, partial=False)
@@ -95,7 +95,7 @@ def validate(cfg: DictConfig) -> list[str]:
     """
     problems = []
     for path, node in component_nodes(cfg):
-        key = f"{path}.{COMPONENT}" if path else COMPONENT
+        key = _join(path, COMPONENT)
         try:
             target = locate(node[COMPONENT], key)
         except ConfigError as e:
@@ -148,8 +148,7 @@ def _bind(target: Callable, args: tuple, kwargs: dict, path: str, *, partial: bo
         if unknown and not has_var_kw:
             close = {k: difflib.get_close_matches(k, accepted, n=1) for k in unknown}
             extra = "; unknown keys: " + ", ".join(
-                f"{path + '.' if path else ''}{k}" + (f" (did you mean {c[0]}?)" if c else "")
-                for k, c in close.items()
+                _join(path, k) + (f" (did you mean {c[0]}?)" if c else "") for k, c in close.items()
             )
         what = extra.removeprefix("; ") if extra else str(e)
         raise ConfigError(

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from minippo.config._errors import ConfigError
+from minippo.config._instantiate import _join
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 _MISSING = object()
@@ -121,7 +122,7 @@ def leaf_paths(node: DictConfig | ListConfig, prefix: str = "") -> Iterator[str]
     """Dotted paths of every leaf value (lists are leaves unless they hold mappings)."""
     if isinstance(node, DictConfig):
         for key in node:
-            path = f"{prefix}.{key}" if prefix else str(key)
+            path = _join(prefix, key)
             child = node._get_node(key)
             if isinstance(child, DictConfig) or (
                 isinstance(child, ListConfig)
@@ -192,7 +193,7 @@ def _suggest(cfg: DictConfig, key: str) -> str:
 
 def _all_keys(node: DictConfig, prefix: str = "") -> Iterator[str]:
     for key in node:
-        path = f"{prefix}.{key}" if prefix else str(key)
+        path = _join(prefix, key)
         yield path
         child = node._get_node(key)
         if isinstance(child, DictConfig):

@@ -148,9 +148,9 @@ def load_prompt_dataset(
         max_prompt_tokens: drop prompts longer than this (the count is logged); None keeps all.
         num_examples: keep only the first n rows (after the length filter).
     """
-    rows = load_rows(source, data_files=data_files, name=name, split=split)
     if num_examples is not None and num_examples < 1:
         raise ValueError(f"num_examples must be >= 1 or null, got {num_examples}")
+    rows = load_rows(source, data_files=data_files, name=name, split=split)
     examples: list[PromptExample] = []
     dropped = 0
     for row in rows:

@@ -390,12 +390,12 @@ def save_pretrained_state_dict(
                 f"shape mismatch for {name!r}: {tuple(t.shape)} vs {tuple(expected[name])}"
             )
         tensors[hf_name(name)] = t.detach().to("cpu").contiguous()
-    missing = [hf_name(k) for k in expected if hf_name(k) not in tensors]
+    missing = [hk for hk in map(hf_name, expected) if hk not in tensors]
     if missing:
         raise ValueError(f"state dict lacks {missing[:8]} ({len(missing)} in all)")
 
     shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    size = total = 0
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
@@ -403,6 +403,7 @@ def save_pretrained_state_dict(
             size = 0
         shards[-1][key] = t
         size += nbytes
+        total += nbytes
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     for stale in [*folder.glob("*.safetensors"), folder / "model.safetensors.index.json"]:
@@ -419,7 +420,6 @@ def save_pretrained_state_dict(
         fname = f"model-{i:05d}-of-{n:05d}.safetensors"
         save_file(shard, str(folder / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(folder / "model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 

@@ -270,10 +270,9 @@ class Attention(nn.Module):
         gqa = self.n_heads != self.n_kv_heads
         if mask is None:
             # no padding: plain causal attention (flash kernels handle GQA natively); with a cache
-            # only reached for a first chunk (keys == queries) or one new token (sees all keys)
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=kv_cache is None or S > 1, enable_gqa=gqa
-            )
+            # only reached for a first chunk (keys == queries) or one new token (sees all keys);
+            # a single query needs no causal mask either way
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=gqa)
         else:
             if gqa and S > 1:
                 # the masked fused kernels do not take GQA; repeating k/v (H/H_kv copies of

@@ -7,7 +7,6 @@ Scripts in this folder run as ``python benchmarks/<name>.py``, so this module is
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -19,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from minippo.training.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS_IMG = REPO / "docs" / "img"
@@ -62,16 +63,31 @@ class RecipeRun:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The step records of a JsonlLogger file (records without a ``step`` are skipped)."""
+    """The step records of a JsonlLogger file, in step order (records without a ``step`` are
+    skipped; "nan"/"inf" strings are read back as floats by ``read_jsonl``)."""
     if not path.is_file():
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            if "step" in rec:
-                out.append(rec)
-    return sorted(out, key=lambda r: r["step"])
+    return sorted((r for r in read_jsonl(path) if "step" in r), key=lambda r: r["step"])
+
+
+CORRECTION_BYTES_KEYS = (
+    "correction/snapshot_bytes",
+    "correction/ewma_bytes",
+    "correction/swap_buffer_bytes",
+)
+
+
+def correction_bytes(run: RecipeRun) -> float:
+    """Largest bytes held by the correction at any step: snapshots or EWMA copy + swap buffer."""
+    return max(
+        (sum(m.get(k, 0.0) for k in CORRECTION_BYTES_KEYS) for m in run.metrics), default=0.0
+    )
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (``/proc/self/statm``, Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def run_recipe(

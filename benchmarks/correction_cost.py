@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+from _common import rss_bytes
 
 from minippo.models import ModelArgs, Transformer, qwen3_tiny
 from minippo.rl.correction import EWMA, METHODS, KeepOldActor, local_shards
@@ -100,11 +101,6 @@ def copy_costs(quick: bool) -> list[tuple[str, float, float]]:
         ("snapshot swap cycle (3 copies)", *t_swap),
         ("  per copy (cycle / 3)", t_swap[0] / 3, t_swap[1] / 3),
     ]
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 def memory_case(quick: bool, dtype: str) -> None:

@@ -43,6 +43,7 @@ from pathlib import Path
 from _common import (
     DEFAULT_OUT,
     RecipeRun,
+    correction_bytes,
     load_average,
     machine,
     markdown_table,
@@ -142,12 +143,6 @@ def staleness_histogram(run: RecipeRun) -> tuple[Counter, bool]:
             hist[round(m["rollout/staleness_mean"])] += 1
             uniform &= m["rollout/staleness_min"] == m["rollout/staleness_max"]
     return hist, uniform
-
-
-def correction_bytes(run: RecipeRun) -> float:
-    """Largest bytes held by the correction at any step: snapshots or EWMA copy + swap buffer."""
-    keys = ("correction/snapshot_bytes", "correction/ewma_bytes", "correction/swap_buffer_bytes")
-    return max((sum(m.get(k, 0.0) for k in keys) for m in run.metrics), default=0.0)
 
 
 def mean(xs: list[float]) -> float:

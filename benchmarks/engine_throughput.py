@@ -49,6 +49,31 @@ def build_hf_model(vocab: int, dim: int, layers: int, seed: int):
     return Qwen3ForCausalLM(cfg).eval()
 
 
+def twin_models(vocab: int, dim: int, layers: int, seed: int = 0):
+    """``(hf, ours)``: a random HF Qwen3 (``build_hf_model``) and the minippo model loaded from
+    its saved weights (fp32), so both sides run the very same weights."""
+    hf = build_hf_model(vocab=vocab, dim=dim, layers=layers, seed=seed)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = from_pretrained(d, dtype=torch.float32)
+    return hf, ours
+
+
+def make_requests(
+    batch: int, prompt_len: int, new_tokens: int, vocab: int = 32_000
+) -> tuple[torch.Tensor, list[GenerateRequest]]:
+    """``(prompts, requests)``: ``batch`` random prompts of ``prompt_len`` tokens (seed 0) as a
+    [batch, prompt_len] tensor for HF and as requests for exactly ``new_tokens`` tokens at
+    temperature 1 (request ``i``: id ``r<i>``, sampling seed ``i``)."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, vocab, (batch, prompt_len), generator=gen)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    requests = [
+        GenerateRequest(p.tolist(), replace(params, seed=i), f"r{i}") for i, p in enumerate(prompts)
+    ]
+    return prompts, requests
+
+
 def run_hf(model, prompts: torch.Tensor, new_tokens: int, seed: int) -> float:
     """Seconds of one HF ``generate()`` of exactly ``new_tokens`` tokens per prompt."""
     torch.manual_seed(seed)
@@ -105,16 +130,8 @@ def main() -> None:
         args.batch, args.new_tokens, args.repeats = 8, 16, 1
     torch.set_num_threads(args.threads)
 
-    hf = build_hf_model(vocab=32_000, dim=256, layers=4, seed=0)
-    with tempfile.TemporaryDirectory() as d:
-        hf.save_pretrained(d)
-        ours = from_pretrained(d, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, 32_000, (args.batch, args.prompt_len), generator=gen)
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
-    requests = [
-        GenerateRequest(p.tolist(), replace(params, seed=i), f"r{i}") for i, p in enumerate(prompts)
-    ]
+    hf, ours = twin_models(vocab=32_000, dim=256, layers=4, seed=0)
+    prompts, requests = make_requests(args.batch, args.prompt_len, args.new_tokens)
     total = args.batch * args.new_tokens
 
     # mixed lengths for the compaction table: from new_tokens / 8 to new_tokens

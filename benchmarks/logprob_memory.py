@@ -28,34 +28,9 @@ import sys
 import time
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from _common import rss_bytes
 
-
-class PeakTensorMemory(TorchDispatchMode):
-    """Peak bytes of live tensor storages created under this mode."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                st = t.untyped_storage()
-                if st.data_ptr() not in self.live or self.live[st.data_ptr()][0].expired():
-                    self.live[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+from minippo.training.memory_plan import TensorMemoryTracker
 
 
 def _build(args):
@@ -115,8 +90,8 @@ def run_variant(args) -> dict:
             seen[ptr] = t.untyped_storage().nbytes()
         return t
 
-    base = _rss_mib()
-    tracker = PeakTensorMemory()
+    base = rss_bytes() / 2**20
+    tracker = TensorMemoryTracker()  # counts only what the step creates (nothing tracked before)
     t0 = time.perf_counter()
     with tracker:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -125,7 +100,7 @@ def run_variant(args) -> dict:
     elapsed = time.perf_counter() - t0
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
     return {
-        "peak_tensor_mib": tracker.peak / 2**20,
+        "peak_tensor_mib": tracker.peak.get("cpu", 0) / 2**20,
         "peak_rss_growth_mib": peak_rss - base,
         "saved_mib": sum(seen.values()) / 2**20,
         "time_s": elapsed,

@@ -18,13 +18,27 @@
 from __future__ import annotations
 
 import argparse
+import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import DEFAULT_OUT, load_average, machine, markdown_table, run_recipe
+from _common import (
+    DEFAULT_OUT,
+    correction_bytes,
+    load_average,
+    machine,
+    markdown_table,
+    run_recipe,
+)
 
 from minippo.config import load_config
-from minippo.training.memory_plan import GiB, PlanInputs, plan_from_config, plan_memory
+from minippo.training.memory_plan import (
+    GiB,
+    PlanInputs,
+    model_param_shapes,
+    plan_from_config,
+    plan_memory,
+)
 from minippo.training.optimizers import optimizer_spec
 
 MiB = 1 << 20
@@ -42,7 +56,6 @@ METHODS: dict[str, list[str]] = {
         "+correction.storage_dtype=bf16",
     ],
 }
-BYTES_KEYS = ("correction/snapshot_bytes", "correction/ewma_bytes", "correction/swap_buffer_bytes")
 
 
 def model_overrides(dim: int | None, layers: int | None) -> list[str]:
@@ -83,17 +96,17 @@ def measured(args) -> None:
         raise SystemExit("\n".join(f"{m} failed:\n{r.log_tail}" for m, r in bad.items()))
 
     ref = runs.get("rollout_logprobs") or runs["none (sync)"]
-    numel = None
-    for method, run in runs.items():  # actor parameters (fp32) from the planner
-        cfg = load_config("tiny_cpu", [f"output_dir={run.out_dir}", *overrides(method)])
-        numel = plan_from_config(cfg).items[0].device // 4
-        break
+    plans = {
+        method: plan_from_config(
+            load_config("tiny_cpu", [f"output_dir={run.out_dir}", *overrides(method)])
+        )
+        for method, run in runs.items()
+    }
+    numel = next(iter(plans.values())).items[0].device // 4  # actor parameters (fp32)
     rows = []
     for method, run in runs.items():
-        held = max(sum(m.get(k, 0.0) for k in BYTES_KEYS) for m in run.metrics)
-        cfg = load_config("tiny_cpu", [f"output_dir={run.out_dir}", *overrides(method)])
-        plan = plan_from_config(cfg)
-        item = next(i for i in plan.items if i.name.startswith("correction"))
+        held = correction_bytes(run)
+        item = next(i for i in plans[method].items if i.name.startswith("correction"))
         planned = item.device + item.host
         rows.append(
             [
@@ -180,7 +193,7 @@ def planned_4b() -> None:
                 "~40 GB host" if method == "keep_old_actor" else "~7.9 GB",
             ]
         )
-    n = plan_memory_numel(args)
+    n = sum(math.prod(s) for s in model_param_shapes(args))
     print(
         f"Qwen3-4B ({n / 1e9:.2f}B parameters), 8 ranks, FSDP2 fp32 master weights; planner "
         "correction item (snapshots in pinned host memory)"
@@ -195,18 +208,6 @@ def planned_4b() -> None:
         "Guan et al. (4B)",
     ]
     print(markdown_table(heads, rows))
-
-
-def plan_memory_numel(args) -> int:
-    from minippo.training.memory_plan import model_param_shapes
-
-    total = 0
-    for shape in model_param_shapes(args):
-        n = 1
-        for d in shape:
-            n *= d
-        total += n
-    return total
 
 
 def main() -> None:

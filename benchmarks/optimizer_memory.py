@@ -21,24 +21,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
 import runpy
 import statistics
-import tempfile
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import DEFAULT_OUT, QUIET_RUN, REPO, machine
 
 from minippo.config import load_config
 from minippo.models import Transformer, init_weights, qwen3_tiny
 from minippo.training.memory_plan import TensorMemoryTracker
+from minippo.training.metrics import read_jsonl
 from minippo.training.optimizers import build_optimizer
 
-REPO = Path(__file__).resolve().parents[1]
 OPTIMIZERS = [
     ("torch AdamW (fused)", "minippo.training.optimizers.AdamW"),
     ("torchao AdamW8bit", "torchao.optim.AdamW8bit"),
@@ -61,16 +58,15 @@ def _eager(on: bool):
 
 def recipe_run(component: str, steps: int, tracked: bool) -> dict:
     recipe = runpy.run_path(str(REPO / "recipes" / "async_ppo.py"), run_name="bench")
-    out_dir = tempfile.mkdtemp(prefix="optmem_")
+    # one folder per optimizer and mode, reused by later runs (no temporary folders left behind)
+    out_dir = DEFAULT_OUT / "optimizer_memory" / f"{component}_{'tracked' if tracked else 'timed'}"
     node = f"{{_component_: {component}, lr: 3.0e-3, weight_decay: 0.0}}"
     cfg = load_config(
         REPO / "configs" / "tiny_cpu.yaml",
         [
             f"total_steps={steps}",
             f"output_dir={out_dir}",
-            "progress_bar=false",
-            "checkpoint.export_hf=false",
-            f"checkpoint.every_n_steps={steps + 1}",
+            *QUIET_RUN,
             f"optimizer={node}",
             f"critic.optimizer={node}",
         ],
@@ -84,7 +80,7 @@ def recipe_run(component: str, steps: int, tracked: bool) -> dict:
         states = state_bytes(run.optimizer) + state_bytes(run.critic_optimizer)
     finally:
         run.cleanup()
-    rows = [json.loads(x) for x in Path(cfg.metric_logger.path).read_text().splitlines()]
+    rows = read_jsonl(cfg.metric_logger.path)
     train_s = [r["perf/train_s"] for r in rows if "perf/train_s" in r][1:]
     return {
         "peak": tracker.peak.get("cpu", 0) if tracked else None,
@@ -166,7 +162,7 @@ def main() -> None:
     # --quick is a smoke run: 2 recipe steps, one (tracked, eager) run per optimizer, no timings
     # worth reading; the full run times the compiled torchao step in a second, untracked run
     recipe_steps, loop_steps = (2, 3) if args.quick else (10, 20)
-    print(f"torch {torch.__version__}; {platform.processor() or platform.machine()}; ", end="")
+    print(f"machine: {machine()}")
     print(f"{torch.get_num_threads()} threads; quick={args.quick}\n")
 
     job, loop = {}, {}

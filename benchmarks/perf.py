@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,20 +37,11 @@ SECTIONS = ("engine", "async", "correction", "ppo")
 def engine_vs_hf(quick: bool, threads: int) -> list[list]:
     import engine_throughput as et
 
-    from minippo.engine import GenerateRequest, SamplingParams, TorchEngine
-    from minippo.models import from_pretrained
+    from minippo.engine import TorchEngine
 
     batch, prompt_len, new, repeats = (8, 16, 16, 1) if quick else (32, 32, 128, 3)
-    hf = et.build_hf_model(vocab=32_000, dim=256, layers=4, seed=0)
-    with tempfile.TemporaryDirectory() as d:
-        hf.save_pretrained(d)
-        ours = from_pretrained(d, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, 32_000, (batch, prompt_len), generator=gen)
-    params = SamplingParams(temperature=1.0, max_new_tokens=new)
-    requests = [
-        GenerateRequest(p.tolist(), replace(params, seed=i), f"r{i}") for i, p in enumerate(prompts)
-    ]
+    hf, ours = et.twin_models(vocab=32_000, dim=256, layers=4, seed=0)
+    prompts, requests = et.make_requests(batch, prompt_len, new)
     engine = TorchEngine(ours, in_process=True, num_threads=threads)
     hf_t, eng_t = [], []
     try:
@@ -200,16 +189,15 @@ def hf_ppo_loss(logp, old, adv, mask, eps=0.2) -> torch.Tensor:
 def ppo_update(quick: bool, threads: int) -> list[list]:
     import engine_throughput as et
 
-    from minippo.models import from_pretrained, token_logprobs
+    from minippo.models import token_logprobs
     from minippo.rl import policy_loss
 
     vocab, dim, layers = (8_000, 128, 2) if quick else (32_000, 256, 4)
     B, P, R = (4, 16, 32) if quick else (8, 64, 192)
     iters = 2 if quick else 5
-    hf = et.build_hf_model(vocab=vocab, dim=dim, layers=layers, seed=0).train()
-    with tempfile.TemporaryDirectory() as d:
-        hf.save_pretrained(d)
-        ours = from_pretrained(d, dtype=torch.float32).train()
+    hf, ours = et.twin_models(vocab=vocab, dim=dim, layers=layers, seed=0)
+    hf.train()
+    ours.train()
     b = ppo_batch(B, P, R, vocab)
     with torch.no_grad():
         old = token_logprobs(

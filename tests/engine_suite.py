@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from minippo.engine import (
     FINISH_REASONS,
@@ -71,6 +72,36 @@ def req(prompt, rid, **params) -> GenerateRequest:
     return GenerateRequest(list(prompt), SamplingParams(**params), rid)
 
 
+def reference_logprobs_of(
+    model_of: Callable[[int], torch.nn.Module],
+) -> Callable[[int, list[int], list[int], float], list[float]]:
+    """A harness ``reference_logprobs``: the teacher-forced ``token_logprobs`` of ``token_ids``
+    under ``model_of(version)`` (temperature 0 means 1)."""
+    from minippo.models import token_logprobs
+
+    @torch.no_grad()
+    def reference_logprobs(version, prompt_ids, token_ids, temperature):
+        ids = torch.tensor([list(prompt_ids) + list(token_ids)])
+        lp = token_logprobs(
+            model_of(version), ids, temperature=temperature or 1.0, start=len(prompt_ids)
+        )
+        return lp[0].tolist()
+
+    return reference_logprobs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One torch thread for every test of a module that imports this fixture, restored afterwards:
+    tiny matmuls run fastest on one thread, and engines that run forwards on their own loop thread
+    (the SGLang stand-in) are ~100x slower with several OpenMP threads per calling thread on a
+    loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def check_completion(c: Completion, r: GenerateRequest, vocab_size: int) -> None:
     """Structural invariants of one completion of request ``r``."""
     assert c.request_id == r.request_id
@@ -91,7 +122,8 @@ def check_completion(c: Completion, r: GenerateRequest, vocab_size: int) -> None
         assert not stops & set(c.token_ids[:-1])
 
 
-def _run_in_thread(fn):
+def run_in_thread(fn):
+    """Start ``fn()`` in a daemon thread; returns ``(thread, box)`` for :func:`join`."""
     box: dict = {}
 
     def target():
@@ -105,7 +137,8 @@ def _run_in_thread(fn):
     return t, box
 
 
-def _join(t, box, timeout=120):
+def join(t, box, timeout=120):
+    """Wait for a :func:`run_in_thread` thread; returns its result or raises its exception."""
     t.join(timeout)
     assert not t.is_alive(), "generate did not return"
     if "error" in box:
@@ -225,12 +258,12 @@ class EngineProtocolSuite:
 
     def test_pause_publish_resume_continues_under_new_weights(self, engine, harness):
         r = req(harness.prompt, "long", max_new_tokens=harness.long_tokens, seed=5)
-        t, box = _run_in_thread(lambda: engine.generate([r]))
+        t, box = run_in_thread(lambda: engine.generate([r]))
         time.sleep(0.05)
         engine.pause()
         engine.publish_weights(harness.weights(1), version=1)
         engine.resume()
-        (c,) = _join(t, box)
+        (c,) = join(t, box)
         check_completion(c, r, harness.vocab_size)
         assert set(c.versions) <= {0, 1}
         (c2,) = engine.generate([req(harness.prompt, "next", max_new_tokens=3, seed=1)])
@@ -238,22 +271,22 @@ class EngineProtocolSuite:
 
     def test_generate_waits_while_paused(self, engine, harness):
         engine.pause()
-        t, box = _run_in_thread(
+        t, box = run_in_thread(
             lambda: engine.generate([req(harness.prompt, "p", max_new_tokens=3, seed=0)])
         )
         time.sleep(0.2)
         assert t.is_alive()  # nothing is produced while paused
         engine.resume()
-        (c,) = _join(t, box)
+        (c,) = join(t, box)
         assert len(c.token_ids) == 3
 
     def test_abort_returns_partial_completions(self, engine, harness):
         r = req(harness.prompt, "long", max_new_tokens=harness.long_tokens, seed=5)
         engine.pause()  # the request is in flight (or waiting) when abort arrives
-        t, box = _run_in_thread(lambda: engine.generate([r]))
+        t, box = run_in_thread(lambda: engine.generate([r]))
         time.sleep(0.1)
         partial = engine.abort()
-        (c,) = _join(t, box)
+        (c,) = join(t, box)
         engine.resume()
         assert c.finish_reason == "abort"
         check_completion(c, r, harness.vocab_size)
@@ -270,9 +303,9 @@ class EngineProtocolSuite:
             ]
             for j in range(3)
         ]
-        threads = [_run_in_thread(lambda rs=rs: engine.generate(rs)) for rs in calls]
+        threads = [run_in_thread(lambda rs=rs: engine.generate(rs)) for rs in calls]
         for (t, box), rs in zip(threads, calls):
-            outs = _join(t, box)
+            outs = join(t, box)
             assert [c.request_id for c in outs] == [r.request_id for r in rs]
             for c, r in zip(outs, rs):
                 check_completion(c, r, harness.vocab_size)

@@ -5,28 +5,19 @@ bit for bit, those of an unsharded model loaded with the full weights of each to
 including ranks whose batches hold different versions (every rank must run the same forwards).
 """
 
-import os
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import distribute_tensor
 
 from minippo.models import Transformer, init_weights, qwen3_tiny
 from minippo.parallel import shard_model
-from minippo.rl.correction import EWMA, KeepOldActor, local_shards, response_logprobs
+from minippo.rl.correction import EWMA, KeepOldActor, local_shards
 from minippo.rl.types import RolloutBatch
+from tests.correction_helpers import model_with, perturb, score
 
 WORLD_SIZE = 2
 P, R, V = 3, 4, 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def logits_score(model, batch: RolloutBatch) -> torch.Tensor:
@@ -36,11 +27,6 @@ def logits_score(model, batch: RolloutBatch) -> torch.Tensor:
     )
     lp = torch.log_softmax(logits[:, P - 1 : -1].float(), dim=-1)
     return lp.gather(-1, batch.input_ids[:, P:, None]).squeeze(-1)
-
-
-def default_score(model, batch: RolloutBatch) -> torch.Tensor:
-    with torch.no_grad():
-        return response_logprobs(model, batch, temperature=1.0)
 
 
 def make_batch(versions, seed):
@@ -64,13 +50,6 @@ def make_batch(versions, seed):
     )
 
 
-def perturb(model, seed, scale=0.1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-
-
 def reshard(model):
     # after a no-grad forward FSDP2 keeps the root's parameters unsharded; shard them again
     for m in model.modules():
@@ -87,18 +66,8 @@ def load_into_sharded(sharded, full_model):
             p.to_local().copy_(local.to_local())
 
 
-def model_with(weights):
-    m = Transformer(qwen3_tiny(V))
-    with torch.no_grad():
-        for p, w in zip(m.parameters(), weights):
-            p.copy_(w)
-    return m
-
-
-def _worker(rank: int, port: int) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+def _worker(rank: int, world_size: int) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         _check_keep_old_actor(rank)
         _check_ewma(rank)
@@ -135,7 +104,7 @@ def _check_keep_old_actor(rank: int) -> None:
     out = corr.prepare(batch, actor, step=2)
     assert len(calls) == 3, calls  # the union of versions over ranks, on every rank
     assert out.metrics["correction/version_mismatches"] == 0
-    refs = [default_score(model_with(w), batch) for w in saved]
+    refs = [score(model_with(w), batch) for w in saved]
     expected = torch.zeros(batch.versions.shape)
     for v, lp in enumerate(refs):
         expected = torch.where(batch.versions == v, lp, expected)
@@ -180,5 +149,5 @@ def _check_ewma(rank: int) -> None:
     assert torch.equal(out.anchor_logprobs, current)
 
 
-def test_keep_old_actor_and_ewma_under_fsdp2():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
+def test_keep_old_actor_and_ewma_under_fsdp2(run_on_ranks):
+    run_on_ranks(_worker, world_size=WORLD_SIZE)

@@ -2,20 +2,14 @@
 
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from minippo.training.metrics import read_jsonl
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_process_torchrun_run(tmp_path):
@@ -24,7 +18,7 @@ def test_two_process_torchrun_run(tmp_path):
     proc = subprocess.run(
         [
             sys.executable, "-m", "minippo._cli.main", "run",
-            "--nproc-per-node", "2", "--master-port", str(_free_port()),
+            "--nproc-per-node", "2", "--master-port", str(free_port()),
             "async_ppo", "--config", "tiny_cpu",
             "total_steps=2", f"output_dir={out}",
             "rollout.groups_per_batch=8", "ppo.minibatches=2", "ppo.micro_batch_size=8",

@@ -2,22 +2,14 @@
 DP-averaged gradients equal the full-batch loss and gradient, for every aggregation mode."""
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from minippo.rl.aggregation import AGGREGATION_MODES, aggregate, global_counts
 from minippo.rl.functional import masked_whiten
 
 WORLD_SIZE = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _data():
@@ -35,10 +27,8 @@ def _per_token(loss, param):
     return loss * torch.tanh(param)[None, :] * 3.0
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+def _worker(rank: int, world_size: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         loss, mask, param0 = _data()
         rows = slice(0, 3) if rank == 0 else slice(3, 6)
@@ -74,8 +64,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_two_rank_aggregation_equals_full_batch(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+def test_two_rank_aggregation_equals_full_batch(tmp_path, run_on_ranks):
+    run_on_ranks(_worker, str(tmp_path), world_size=WORLD_SIZE)
     loss, mask, param0 = _data()
     for rank in range(WORLD_SIZE):
         results = torch.load(tmp_path / f"rank{rank}.pt")

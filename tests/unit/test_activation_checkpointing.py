@@ -11,6 +11,7 @@ from minippo.parallel.activation_checkpointing import (
     is_activation_checkpointed,
 )
 from minippo.training.memory_plan import TensorMemoryTracker
+from tests.helpers import run_on_ranks, saved_bytes
 
 B, S, P = 2, 32, 8
 
@@ -41,23 +42,6 @@ def _models(cls):
     return base, apply_activation_checkpointing(copy.deepcopy(base))
 
 
-def _saved_bytes(model, fn) -> int:
-    """Bytes of the distinct storages that autograd saves for backward outside checkpointed
-    regions (parameters excluded) while ``fn`` runs the forward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
-
-
 @pytest.mark.parametrize("cls", [Transformer, ValueModel])
 def test_names_and_state_dict_keys_unchanged(cls):
     base, ac = _models(cls)
@@ -83,8 +67,8 @@ def test_gradients_identical_to_no_checkpointing(cls):
 def test_saved_activation_bytes_and_live_peak_are_lower():
     base, ac = _models(Transformer)
     batch = _batch()
-    saved_base, loss_base = _saved_bytes(base, lambda: _loss(base, *batch))
-    saved_ac, loss_ac = _saved_bytes(ac, lambda: _loss(ac, *batch))
+    saved_base, loss_base = saved_bytes(base, lambda: _loss(base, *batch))
+    saved_ac, loss_ac = saved_bytes(ac, lambda: _loss(ac, *batch))
     # every block's internals are recomputed; only embeddings/final norm remain saved
     assert saved_ac < saved_base / 4, (saved_ac, saved_base)
     loss_base.backward()
@@ -127,15 +111,12 @@ def test_no_grad_forward_unchanged_and_deepcopy_keeps_checkpointing():
 # ---------------------------------------------------------------- with FSDP2 (2 gloo ranks)
 
 
-def _fsdp_worker(rank: int, port: int, out: str) -> None:
-    import os
-
+def _fsdp_worker(rank: int, world_size: int, out: str) -> None:
     import torch.distributed as dist
 
     from minippo.parallel import shard_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         base, ac = _models(Transformer)
         names = [n for n, _ in base.named_parameters()]
@@ -158,13 +139,6 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_composes_with_fsdp2_sharding(tmp_path):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "max_diff.pt")
-    mp.spawn(_fsdp_worker, args=(port, out), nprocs=2)
+    run_on_ranks(_fsdp_worker, out, world_size=2)
     assert torch.load(out) <= 1e-6

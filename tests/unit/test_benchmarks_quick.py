@@ -52,7 +52,7 @@ def _table_like(text: str) -> bool:
 
 def test_every_script_is_covered():
     assert {"corrections_study.py", "perf.py", "memory.py"} <= set(SCRIPTS), SCRIPTS
-    assert set(MARKERS) <= set(SCRIPTS) | {"optimizer_memory.py"}
+    assert set(MARKERS) <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize(

@@ -21,11 +21,11 @@ from minippo.rl.correction import (
     local_shards,
     loglinear_alpha,
     loglinear_prox_weights,
-    response_logprobs,
     symmetric_mask_weights,
     truncated_is_weights,
 )
 from minippo.rl.types import RolloutBatch
+from tests.correction_helpers import model_with, perturb, score
 
 P, R, V = 3, 4, 64
 
@@ -35,28 +35,8 @@ def make_model(seed: int = 0) -> Transformer:
     return init_weights(Transformer(qwen3_tiny(V)), seed=seed, std=0.5)
 
 
-def perturb(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_((torch.randn(p.shape, generator=g) * scale).to(p.device))
-
-
 def weights_of(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
-
-
-def model_with(weights: list[torch.Tensor]) -> Transformer:
-    fresh = Transformer(qwen3_tiny(V))
-    with torch.no_grad():
-        for p, w in zip(fresh.parameters(), weights):
-            p.copy_(w)
-    return fresh
-
-
-def score(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
-    with torch.no_grad():
-        return response_logprobs(model, batch, temperature=temperature)
 
 
 def make_batch(versions: list[list[int]], seed: int = 0) -> RolloutBatch:

@@ -24,18 +24,14 @@ from minippo.engine.torch_engine import (
 )
 from minippo.models import Transformer, hf_name, init_weights, qwen3_tiny, token_logprobs
 from minippo.training.rollout_queue import collate_completions
-from tests.engine_suite import EngineHarness, EngineProtocolSuite
+from tests.engine_suite import (
+    EngineHarness,
+    EngineProtocolSuite,
+    one_torch_thread,  # noqa: F401 (autouse: one torch thread for this module)
+    reference_logprobs_of,
+)
 
 ARGS = qwen3_tiny()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny matmuls run fastest on one thread; with the cores shared, more threads only spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 _MODELS: dict[int, Transformer] = {}
@@ -54,13 +50,7 @@ def weights(version: int):
     return [items[: len(items) // 2], items[len(items) // 2 :]]  # two buckets
 
 
-@torch.no_grad()
-def reference_logprobs(version, prompt_ids, token_ids, temperature):
-    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
-    lp = token_logprobs(
-        model_of(version), ids, temperature=temperature or 1.0, start=len(prompt_ids)
-    )
-    return lp[0].tolist()
+reference_logprobs = reference_logprobs_of(model_of)
 
 
 def harness_for(in_process: bool) -> EngineHarness:

@@ -41,23 +41,17 @@ from minippo.training.memory_plan import (
     plan_memory,
 )
 from minippo.training.optimizers import build_optimizer, optimizer_spec
+from tests.helpers import saved_bytes
 
 CORRECTIONS = {"ewma": "EWMA", "keep_old_actor": "KeepOldActor", "tis": "TIS"}
 
 
 def _saved_bytes(model, tokens, mask, positions) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, attention_mask=mask, position_ids=positions, return_hidden=True)
-    return sum(seen.values())
+    n, _ = saved_bytes(
+        model,
+        lambda: model(tokens, attention_mask=mask, position_ids=positions, return_hidden=True),
+    )
+    return n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

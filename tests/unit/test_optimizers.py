@@ -8,11 +8,9 @@ slow tests.
 """
 
 import contextlib
-import json
 import math
 import os
 import runpy
-import socket
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,8 @@ from omegaconf import OmegaConf
 from minippo.config import ConfigError, instantiate, load_config
 from minippo.models import Transformer, init_weights, qwen3_tiny
 from minippo.training.checkpoint import Checkpointer
+from minippo.training.memory_plan import TensorMemoryTracker
+from minippo.training.metrics import read_jsonl
 from minippo.training.optimizers import (
     OPTIMIZER_SPECS,
     AdamW,
@@ -31,6 +31,7 @@ from minippo.training.optimizers import (
     optimizer_spec,
     optimizer_state_bytes,
 )
+from tests.helpers import run_on_ranks
 
 COMPONENTS = [
     "minippo.training.optimizers.AdamW",
@@ -68,22 +69,7 @@ def _step(model, opt) -> float:
 def _state_bytes(opt) -> int:
     """Bytes of every storage the optimizer state holds (quantized subclasses: codes + scales +
     lookup tables)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    def tensors(t):
-        if is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            for n in names:
-                yield from tensors(getattr(t, n))
-        else:
-            yield t
-
-    total = 0
-    for state in opt.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                total += sum(x.numel() * x.element_size() for x in tensors(v))
-    return total
+    return TensorMemoryTracker().track(opt).current.get("cpu", 0)
 
 
 def test_components_instantiate_from_config_with_params_positional():
@@ -223,19 +209,12 @@ def test_compiled_torchao_step_trains_and_resumes(component, tmp_path):
 # ---------------------------------------------------------------- FSDP2 (2 gloo ranks on CPU)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
+def _fsdp_worker(rank: int, world_size: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from minippo.parallel import shard_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         results = {}
         for comp in COMPONENTS:
@@ -268,9 +247,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
 def test_fsdp2_dtensor_params_train_and_resume(tmp_path):
     """FSDP2 on CPU: every optimizer steps DTensor parameters (torchao's quantized states wrapped
     in DTensor), and the sharded states survive a DCP save/load on 2 ranks."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
+    run_on_ranks(_fsdp_worker, str(tmp_path), world_size=2)
     results = torch.load(tmp_path / "results.pt")
     for comp, (losses, local, local2, uninterrupted, resumed) in results.items():
         assert losses[-1] < losses[0], comp
@@ -308,7 +285,7 @@ def _recipe_run(tmp_path, component: str, *extra: str) -> list[dict]:
         kinds = {type(s["exp_avg"]).__name__ for s in run.optimizer.state.values()}
     finally:
         run.cleanup()
-    rows = [json.loads(x) for x in Path(cfg.metric_logger.path).read_text().splitlines()]
+    rows = read_jsonl(cfg.metric_logger.path)
     return rows, kinds
 
 

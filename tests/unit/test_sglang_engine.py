@@ -21,7 +21,6 @@ import asyncio
 import itertools
 import json
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 import minippo.engine.sglang_engine as backend
 from minippo.config import instantiate
-from minippo.engine import GenerateRequest, SamplingParams
+from minippo.engine import SamplingParams
 from minippo.engine.sglang_engine import (
     SGLangEngine,
     completion_from_output,
@@ -40,10 +39,18 @@ from minippo.engine.sglang_engine import (
     sglang_sampling_params,
     token_versions,
 )
-from minippo.models import Transformer, init_weights, native_name, qwen3_tiny, token_logprobs
+from minippo.models import Transformer, init_weights, native_name, qwen3_tiny
 from minippo.models.checkpoint import hf_config_from_model_args, model_args_from_hf_config
 from minippo.parallel import full_tensor_buckets
-from tests.engine_suite import EngineHarness, EngineProtocolSuite
+from tests.engine_suite import (
+    EngineHarness,
+    EngineProtocolSuite,
+    join,
+    one_torch_thread,  # noqa: F401 (autouse: one torch thread for this module)
+    reference_logprobs_of,
+    req,
+    run_in_thread,
+)
 
 ARGS = qwen3_tiny()
 EOS = 63  # the stand-in model's EOS id (config.json "eos_token_id")
@@ -433,23 +440,7 @@ def weights(version: int, bucket_bytes: int = 40_000):
     return list(full_tensor_buckets(model_of(version), bucket_bytes=bucket_bytes))
 
 
-@torch.no_grad()
-def reference_logprobs(version, prompt_ids, token_ids, temperature):
-    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
-    lp = token_logprobs(
-        model_of(version), ids, temperature=temperature or 1.0, start=len(prompt_ids)
-    )
-    return lp[0].tolist()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The stand-in runs its forwards on the engine-loop thread; with several OpenMP threads per
-    calling thread on a loaded 2-core machine that is ~100x slower. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+reference_logprobs = reference_logprobs_of(model_of)
 
 
 @pytest.fixture(scope="module")
@@ -490,37 +481,11 @@ def calls(fake_engine: FakeEngine, *names: str) -> list[tuple]:
     return [c for c in fake_engine.log if (c[0] in names if names else c[0] not in skip)]
 
 
-def run_in_thread(fn):
-    box: dict = {}
-
-    def target():
-        try:
-            box["result"] = fn()
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, box
-
-
-def join(t, box, timeout=60):
-    t.join(timeout)
-    assert not t.is_alive()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
-
-
 def wait_for(pred, timeout=30.0):
     deadline = time.time() + timeout
     while not pred():
         assert time.time() < deadline, "timed out"
         time.sleep(0.001)
-
-
-def req(prompt, rid, **params) -> GenerateRequest:
-    return GenerateRequest(list(prompt), SamplingParams(**params), rid)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -428,16 +428,19 @@ class _WeightStats:
         }
 
 
-def staleness_metrics(versions: torch.Tensor, mask: torch.Tensor, step: int) -> dict[str, float]:
-    """min / mean / max of step − v_t over response tokens."""
+def staleness_metrics(
+    versions: torch.Tensor, mask: torch.Tensor, step: int, prefix: str = "correction/"
+) -> dict[str, float]:
+    """min / mean / max of step − v_t over response tokens (``{prefix}staleness_min`` ...;
+    zeros without any token)."""
     valid = mask > 0
     if not valid.any():
-        return {f"correction/staleness_{k}": 0.0 for k in ("min", "mean", "max")}
+        return {f"{prefix}staleness_{k}": 0.0 for k in ("min", "mean", "max")}
     s = (step - versions[valid]).double()
     return {
-        "correction/staleness_min": float(s.min()),
-        "correction/staleness_mean": float(s.mean()),
-        "correction/staleness_max": float(s.max()),
+        f"{prefix}staleness_min": float(s.min()),
+        f"{prefix}staleness_mean": float(s.mean()),
+        f"{prefix}staleness_max": float(s.max()),
     }
 
 

@@ -54,6 +54,7 @@ from minippo.engine.protocol import (
     SamplingParams,
     WeightBucket,
 )
+from minippo.rl.correction import staleness_metrics
 from minippo.rl.types import RolloutBatch
 
 # seeds of individual requests: base * _SEED_STRIDE + global sample index (fits in int63)
@@ -176,21 +177,6 @@ def collate_completions(
         group_ids=torch.tensor(group_ids, dtype=torch.long),
         truncated=torch.tensor([c.truncated for c in completions]),
     )
-
-
-def staleness_stats(
-    versions: torch.Tensor, step: int, prefix: str = "rollout/"
-) -> dict[str, float]:
-    """min / mean / max of ``step - v`` over real tokens (versions [B, R], -1 on pads)."""
-    real = versions >= 0
-    if not bool(real.any()):
-        return {}
-    age = (step - versions[real]).double()
-    return {
-        f"{prefix}staleness_min": float(age.min()),
-        f"{prefix}staleness_mean": float(age.mean()),
-        f"{prefix}staleness_max": float(age.max()),
-    }
 
 
 class RolloutQueue:
@@ -345,7 +331,7 @@ class RolloutQueue:
                 f"[{step - self.max_staleness}, {self._version}] (max_staleness="
                 f"{self.max_staleness})"
             )
-        out.metrics.update(staleness_stats(versions, step))
+        out.metrics.update(staleness_metrics(versions, versions >= 0, step, prefix="rollout/"))
         out.metrics["rollout/wait_s"] = time.perf_counter() - t0
         out.metrics.update(self.metrics())
         return out

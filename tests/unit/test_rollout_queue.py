@@ -174,12 +174,17 @@ def test_max_staleness_zero_is_the_synchronous_loop():
         sampling=SamplingParams(max_new_tokens=6),
         max_staleness=0,
     )
-    batches = run_loop(q, 5, train_s=0.01)
-    for step, qb in enumerate(batches):
+    q.start()
+    for step in range(5):
+        qb = q.get_batch(step, timeout=30)
         assert set(qb.batch.versions[qb.batch.versions >= 0].tolist()) == {step}
         assert qb.metrics["rollout/start_version"] == step
         assert qb.metrics["rollout/staleness_max"] == 0
-    assert eng.generate_calls == 5  # no batch generated ahead (the 6th would need version 5)
+        time.sleep(0.01)  # "train"
+        # no batch generated ahead: batch step + 1 needs version step + 1, not published yet
+        assert eng.generate_calls == step + 1
+        q.publish([[("w", torch.zeros(1))]], version=step + 1)
+    q.close()
 
 
 def test_async_generates_ahead_and_counts_capacity_waits():

@@ -775,7 +775,6 @@ CONFIG_KEYS: dict[str, list[str]] = {
     "critic_optimizer": ["critic.optimizer"],
     "correction": ["correction"],
     "activation_checkpointing": ["activation_checkpointing"],
-    "logits_chunk": ["logprob_chunk_size"],
     "max_staleness": ["rollout.max_staleness"],
     "partial_rollout": ["rollout.partial_rollout"],
     "engine": ["engine._component_"],
@@ -936,7 +935,7 @@ def plan_inputs_from_config(
         activation_checkpointing=bool(
             _get(cfg, "activation_checkpointing", False, what="activation_checkpointing")
         ),
-        logits_chunk=int(_get(cfg, "logits_chunk", DEFAULT_CHUNK_SIZE, what="chunk")),
+        logits_chunk=DEFAULT_CHUNK_SIZE,  # the recipe scores with the default chunk
         actor_optimizer=optimizer_spec(opt),
         critic_optimizer=optimizer_spec(critic_opt),
         correction=method,

@@ -10,17 +10,22 @@ from minippo.config._parse import (
     resolve,
     resolve_config_path,
 )
+from minippo.config.dtypes import DTYPE_NAMES, canonical_dtype, dtype_bytes, torch_dtype
 
 __all__ = [
+    "DTYPE_NAMES",
     "ConfigError",
     "apply_overrides",
+    "canonical_dtype",
     "check_no_flags",
     "component_nodes",
+    "dtype_bytes",
     "instantiate",
     "load_config",
     "locate",
     "parse_recipe_args",
     "resolve",
     "resolve_config_path",
+    "torch_dtype",
     "validate",
 ]

@@ -5,9 +5,11 @@ the batch container in ``minippo.rl.types``.
 """
 
 from minippo.rl.advantages import (
+    ADVANTAGE_ESTIMATORS,
     gae,
     group_advantages,
     last_token_index,
+    needs_critic,
     place_sequence_rewards,
     split_critic_values,
 )
@@ -25,6 +27,7 @@ from minippo.rl.losses import LOG_RATIO_CLAMP, explained_variance, policy_loss, 
 from minippo.rl.types import RolloutBatch
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "AGGREGATION_MODES",
     "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
@@ -45,6 +48,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "needs_critic",
     "place_sequence_rewards",
     "policy_loss",
     "split_critic_values",

@@ -10,6 +10,19 @@ from __future__ import annotations
 
 import torch
 
+# The advantage estimators the recipe offers (``advantage_estimator``), and whether each trains a
+# critic. The one place that decides it: the recipe, the correction contract and the planner read it.
+ADVANTAGE_ESTIMATORS: dict[str, bool] = {"gae": True, "grpo": False}
+
+
+def needs_critic(estimator: str) -> bool:
+    """Whether ``advantage_estimator=estimator`` trains a value model (an unknown name raises)."""
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"advantage_estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {estimator!r}"
+        )
+    return ADVANTAGE_ESTIMATORS[estimator]
+
 
 def _check_2d(name: str, t: torch.Tensor, shape: torch.Size) -> None:
     if t.shape != shape:

@@ -22,8 +22,16 @@ from minippo.rl.functional import (
     masked_var,
     masked_whiten,
 )
-from minippo.rl.kl import KL_ESTIMATORS, kl_estimate, kl_loss, kl_penalty
-from minippo.rl.losses import LOG_RATIO_CLAMP, explained_variance, policy_loss, value_loss
+from minippo.rl.kl import KL_ESTIMATORS, KLStats, kl_estimate, kl_loss, kl_penalty
+from minippo.rl.losses import (
+    LOG_RATIO_CLAMP,
+    PolicyStats,
+    ValueStats,
+    as_metrics,
+    explained_variance,
+    policy_loss,
+    value_loss,
+)
 from minippo.rl.types import RolloutBatch
 
 __all__ = [
@@ -32,8 +40,12 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
     "GlobalCounts",
+    "KLStats",
+    "PolicyStats",
     "RolloutBatch",
+    "ValueStats",
     "aggregate",
+    "as_metrics",
     "chunked_entropy",
     "entropy_from_logits",
     "explained_variance",

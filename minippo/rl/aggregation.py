@@ -27,13 +27,14 @@ AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 class GlobalCounts(NamedTuple):
     """Token and sequence counts of a batch summed over every rank of the group.
 
-    Fields:
-        tokens: float, N_tok = Σ m over all response tokens (the token-mean denominator)
-        seqs:   float, N_seq = number of rows with at least one response token
+    Fields (0-dim float32 tensors on the mask's device, exact integers: kept on the device so that
+    loss normalisation never waits for the host):
+        tokens: N_tok = Σ m over all response tokens (the token-mean denominator)
+        seqs:   N_seq = number of rows with at least one response token
     """
 
-    tokens: float
-    seqs: float
+    tokens: torch.Tensor
+    seqs: torch.Tensor
 
 
 def global_counts(mask: torch.Tensor, group: dist.ProcessGroup | None = None) -> GlobalCounts:
@@ -47,7 +48,7 @@ def global_counts(mask: torch.Tensor, group: dist.ProcessGroup | None = None) ->
         group: process group to sum over (None: the default group). Without an initialised
             process group the local counts are returned.
     Returns:
-        GlobalCounts(tokens, seqs) as Python floats (exact integers).
+        GlobalCounts(tokens, seqs), 0-dim float32 tensors (exact integers up to 2^24 tokens).
     """
     if mask.dim() != 2:
         raise ValueError(f"mask must be [B, R], got shape {tuple(mask.shape)}")
@@ -55,11 +56,16 @@ def global_counts(mask: torch.Tensor, group: dist.ProcessGroup | None = None) ->
     counts = torch.stack([valid.sum(), valid.any(dim=-1).sum()]).to(torch.int64)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-    tokens, seqs = counts.tolist()
-    return GlobalCounts(tokens=float(tokens), seqs=float(seqs))
+    tokens, seqs = counts.to(torch.float32).unbind()
+    return GlobalCounts(tokens=tokens, seqs=seqs)
 
 
-def _check_global(name: str, value: float, local: int) -> None:
+def _check_global(name: str, value: float | torch.Tensor, valid: torch.Tensor) -> None:
+    """A Python-number global count must cover this micro-batch's own count. A tensor count
+    (from :func:`global_counts`) is not checked: that would wait for the device on every call."""
+    if isinstance(value, torch.Tensor):
+        return
+    local = int(valid.sum()) if name == "global_tokens" else int(valid.any(dim=-1).sum())
     if value < local:
         raise ValueError(
             f"{name} ({value}) is smaller than this micro-batch's own count ({local}); pass the "
@@ -72,8 +78,8 @@ def aggregate(
     mask: torch.Tensor,
     mode: str = "token-mean",
     *,
-    global_tokens: float | None = None,
-    global_seqs: float | None = None,
+    global_tokens: float | torch.Tensor | None = None,
+    global_seqs: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This micro-batch's contribution to the aggregated loss.
 
@@ -84,6 +90,8 @@ def aggregate(
         global_tokens: N_tok of the whole optimizer-step batch (token-mean only).
         global_seqs: N_seq of the whole optimizer-step batch (seq-mean-* modes).
             With both None the local counts are used: the plain mean of this batch alone.
+            Python numbers are checked against this micro-batch's own count; the tensors of
+            :func:`global_counts` are used as they are (no host sync).
     Returns:
         float scalar: Σ (numerator over this micro-batch) / (global denominator). A zero count
         gives 0 (the denominator is floored at 1), never nan.
@@ -101,14 +109,13 @@ def aggregate(
     x = torch.where(valid, per_token_loss, torch.zeros_like(per_token_loss))
 
     if mode == "token-mean":
-        local_tokens = int(valid.sum())
         if use_global and global_tokens is None:
             raise ValueError("mode 'token-mean' needs global_tokens (global_seqs alone was given)")
         if global_tokens is not None:
-            _check_global("global_tokens", global_tokens, local_tokens)
-        n_tok = global_tokens if global_tokens is not None else local_tokens
+            _check_global("global_tokens", global_tokens, valid)
+        n_tok = global_tokens if global_tokens is not None else valid.sum()
         # Σ_{b,t} m·L / N_tok
-        return x.sum() / max(n_tok, 1)
+        return x.sum() / _at_least_one(n_tok, x)
 
     tokens_per_seq = valid.sum(dim=-1)  # Σ_t m, complete: rows are never split
     seq_sum = x.sum(dim=-1)  # Σ_t m·L
@@ -116,11 +123,15 @@ def aggregate(
         seq_value = seq_sum / tokens_per_seq.clamp(min=1)  # Σ_t m·L / Σ_t m
     else:
         seq_value = seq_sum
-    local_seqs = int((tokens_per_seq > 0).sum())
     if use_global and global_seqs is None:
         raise ValueError(f"mode {mode!r} needs global_seqs (global_tokens alone was given)")
     if global_seqs is not None:
-        _check_global("global_seqs", global_seqs, local_seqs)
-    n_seq = global_seqs if global_seqs is not None else local_seqs
+        _check_global("global_seqs", global_seqs, valid)
+    n_seq = global_seqs if global_seqs is not None else (tokens_per_seq > 0).sum()
     # (1 / N_seq) Σ_b seq_value_b
-    return seq_value.sum() / max(n_seq, 1)
+    return seq_value.sum() / _at_least_one(n_seq, x)
+
+
+def _at_least_one(count: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """max(count, 1) as a tensor of ``like``'s dtype and device (a zero count gives 0, not nan)."""
+    return torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp(min=1)

@@ -14,6 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+# Log-ratios are clamped to ±LOG_RATIO_CLAMP before exp: exp(±20) ∈ [2.1e-9, 4.9e8], finite in
+# float32 and far outside any clip range. Gradient through the clamp is 0 beyond the bound.
+LOG_RATIO_CLAMP = 20.0
+
 
 def _check_same_shape(x: torch.Tensor, mask: torch.Tensor, x_name: str = "x") -> None:
     if x.shape != mask.shape:

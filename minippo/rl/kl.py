@@ -9,15 +9,26 @@ has expectation KL(π ‖ π_ref) under π (Schulman, "Approximating KL divergen
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from minippo.rl.aggregation import aggregate
-from minippo.rl.functional import masked_mean
-from minippo.rl.losses import LOG_RATIO_CLAMP
+from minippo.rl.functional import LOG_RATIO_CLAMP, masked_mean
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-# d is clamped to ±KL_LOG_RATIO_CLAMP before use: exp(20) ≈ 4.9e8 stays finite in float32.
-KL_LOG_RATIO_CLAMP = LOG_RATIO_CLAMP  # the losses' clamp, under the name docs/rl.md uses
+
+
+class KLStats(NamedTuple):
+    """Detached statistics of :func:`kl_loss` (0-dim float tensors; metric names ``train/<field>``).
+
+    Fields:
+        kl_loss  the returned loss value (this micro-batch's share, before the coefficient β)
+        kl_mean  masked mean of kl_t over this micro-batch
+    """
+
+    kl_loss: torch.Tensor
+    kl_mean: torch.Tensor
 
 
 def kl_estimate(
@@ -40,7 +51,7 @@ def kl_estimate(
             "must have the same shape"
         )
     # d = log π_ref − log π, clamped to ±20
-    d = (ref_logprobs - logprobs).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+    d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if kind == "k1":
         return -d  # k1 = log π − log π_ref
     if kind == "k2":
@@ -80,7 +91,7 @@ def kl_loss(
     agg_mode: str = "token-mean",
     global_tokens: float | None = None,
     global_seqs: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, KLStats]:
     """KL to the reference as a loss term (GRPO-style), with gradient through ``logprobs``.
 
     loss = aggregate(kl_t, m, agg_mode); the caller scales it by its coefficient β.
@@ -90,8 +101,7 @@ def kl_loss(
         response_mask: [B, R]; kind: "k1", "k2" or "k3".
         agg_mode, global_tokens, global_seqs: see ``aggregate``.
     Returns:
-        loss: float scalar; stats: {"train/kl_loss": loss value, "train/kl_mean": masked mean of
-        kl_t over this micro-batch}
+        loss: float scalar; stats: :class:`KLStats` (detached 0-dim tensors)
     """
     if response_mask.shape != logprobs.shape:
         raise ValueError(
@@ -103,8 +113,5 @@ def kl_loss(
     loss = aggregate(
         kl, response_mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs
     )
-    stats = {
-        "train/kl_loss": float(loss.detach()),
-        "train/kl_mean": float(masked_mean(kl.detach(), response_mask)),
-    }
+    stats = KLStats(kl_loss=loss.detach(), kl_mean=masked_mean(kl.detach(), response_mask))
     return loss, stats

@@ -2,19 +2,20 @@
 
 All per-token tensors are response-aligned ``[B, R]``; ``response_mask`` is 1.0 on generated
 tokens. Each loss returns ``(loss, stats)``: ``loss`` is this micro-batch's contribution to the
-aggregated loss (see ``minippo.rl.aggregation.aggregate``), ``stats`` a dict of detached floats.
+aggregated loss (see ``minippo.rl.aggregation.aggregate``), ``stats`` a NamedTuple of detached
+0-dim tensors (``PolicyStats``, ``ValueStats``): nothing here copies a value to the host, so a
+training step syncs with the device only when its caller logs (torchtune's ``PPOStats``).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from minippo.rl.aggregation import aggregate
-from minippo.rl.functional import masked_mean, masked_var
-
-# Log-ratios are clamped to ±LOG_RATIO_CLAMP before exp: exp(±20) ∈ [2.1e-9, 4.9e8], finite in
-# float32 and far outside any clip range. Gradient through the clamp is 0 beyond the bound.
-LOG_RATIO_CLAMP = 20.0
+from minippo.rl.functional import LOG_RATIO_CLAMP, masked_mean, masked_var
+from minippo.rl.kl import kl_estimate
 
 
 def _check_shapes(ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
@@ -28,10 +29,57 @@ def _check_shapes(ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
             )
 
 
-def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> float:
-    if not bool((mask > 0).any()):
-        return 0.0
-    return float(x[mask > 0].max())
+def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Largest x where mask > 0, 0 when the mask is empty (0-dim, no host sync)."""
+    valid = mask > 0
+    top = torch.where(valid, x, torch.full_like(x, -torch.inf)).amax()
+    return torch.where(valid.any(), top, torch.zeros_like(top))
+
+
+class PolicyStats(NamedTuple):
+    """Detached statistics of :func:`policy_loss`, each a 0-dim float tensor over the kept
+    response tokens m·k (0 when there are none). Metric names are ``train/<field>``.
+
+    Fields:
+        policy_loss     the returned loss value (this micro-batch's share of the minibatch loss)
+        clip_frac_low   fraction with A < 0 and r < 1 − ε_low (clipped, no gradient)
+        clip_frac_high  fraction with A > 0 and r > 1 + ε_high (clipped, no gradient)
+        dual_clip_frac  fraction where the dual clip binds (0 without dual clip)
+        approx_kl       k3 estimate of KL(π_θ ‖ anchor): mean of exp(d) − 1 − d, d = a − log π_θ
+        ratio_mean      mean of r
+        ratio_max       max of r
+        kept_frac       Σ m·k / Σ m
+    """
+
+    policy_loss: torch.Tensor
+    clip_frac_low: torch.Tensor
+    clip_frac_high: torch.Tensor
+    dual_clip_frac: torch.Tensor
+    approx_kl: torch.Tensor
+    ratio_mean: torch.Tensor
+    ratio_max: torch.Tensor
+    kept_frac: torch.Tensor
+
+
+class ValueStats(NamedTuple):
+    """Detached statistics of :func:`value_loss` (0-dim float tensors over response tokens).
+
+    Fields:
+        value_loss       the returned loss value (this micro-batch's share)
+        value_clip_frac  fraction where the clipped term is larger (the gradient is cut)
+        value_mean       mean of V
+        returns_mean     mean of the targets R
+    """
+
+    value_loss: torch.Tensor
+    value_clip_frac: torch.Tensor
+    value_mean: torch.Tensor
+    returns_mean: torch.Tensor
+
+
+def as_metrics(stats: NamedTuple, prefix: str = "train/") -> dict[str, torch.Tensor]:
+    """``{"train/<field>": value}`` of a stats NamedTuple."""
+    return {prefix + k: v for k, v in stats._asdict().items()}
 
 
 def policy_loss(
@@ -48,7 +96,7 @@ def policy_loss(
     agg_mode: str = "token-mean",
     global_tokens: float | None = None,
     global_seqs: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, PolicyStats]:
     """Clipped PPO surrogate against an anchor policy, with IS weights and a keep-mask.
 
     Per token t (m: response_mask, k: keep_mask, w: weights, a: anchor logprob):
@@ -71,15 +119,7 @@ def policy_loss(
         agg_mode, global_tokens, global_seqs: see ``aggregate``.
     Returns:
         loss: float scalar (with grad).
-        stats (detached floats over the kept response tokens m·k; 0 when there are none):
-            train/policy_loss     the returned loss value
-            train/clip_frac_low   fraction with A < 0 and r < 1 − ε_low (clipped, no gradient)
-            train/clip_frac_high  fraction with A > 0 and r > 1 + ε_high (clipped, no gradient)
-            train/dual_clip_frac  fraction where the dual clip binds (0 without dual clip)
-            train/approx_kl       k3 estimate of KL(π_θ ‖ anchor): mean of exp(d) − 1 − d,
-                                  d = a − log π_θ
-            train/ratio_mean, train/ratio_max   of r
-            train/kept_frac       Σ m·k / Σ m
+        stats: :class:`PolicyStats` (detached 0-dim tensors).
     """
     _check_shapes(
         logprobs,
@@ -131,28 +171,23 @@ def policy_loss(
 
     with torch.no_grad():
         kept_f = kept.to(logprobs.dtype)
-        # kl.py imports this module's LOG_RATIO_CLAMP, so its estimator is imported here
-        from minippo.rl.kl import kl_estimate
-
         r = ratio.detach()
         lp = logprobs.detach()  # k3 of d = clamp(a − log π_θ, ±20), the log-ratio clamped above
-        n_valid = int(valid.sum())
-        stats = {
-            "train/policy_loss": float(loss.detach()),
-            "train/clip_frac_low": float(
-                masked_mean(((advantages < 0) & (r < 1.0 - eps_low)).to(r.dtype), kept_f)
+        zero = torch.zeros((), dtype=r.dtype, device=r.device)
+        stats = PolicyStats(
+            policy_loss=loss.detach(),
+            clip_frac_low=masked_mean(((advantages < 0) & (r < 1.0 - eps_low)).to(r.dtype), kept_f),
+            clip_frac_high=masked_mean(
+                ((advantages > 0) & (r > 1.0 + eps_high)).to(r.dtype), kept_f
             ),
-            "train/clip_frac_high": float(
-                masked_mean(((advantages > 0) & (r > 1.0 + eps_high)).to(r.dtype), kept_f)
+            dual_clip_frac=(
+                masked_mean(dual_binds.to(r.dtype), kept_f) if dual_clip is not None else zero
             ),
-            "train/dual_clip_frac": (
-                float(masked_mean(dual_binds.to(r.dtype), kept_f)) if dual_clip is not None else 0.0
-            ),
-            "train/approx_kl": float(masked_mean(kl_estimate(lp, anchor, "k3"), kept_f)),
-            "train/ratio_mean": float(masked_mean(r, kept_f)),
-            "train/ratio_max": _masked_max(r, kept_f),
-            "train/kept_frac": float(kept.sum()) / max(n_valid, 1),
-        }
+            approx_kl=masked_mean(kl_estimate(lp, anchor, "k3"), kept_f),
+            ratio_mean=masked_mean(r, kept_f),
+            ratio_max=_masked_max(r, kept_f),
+            kept_frac=kept_f.sum() / valid.sum().clamp(min=1),
+        )
     return loss, stats
 
 
@@ -168,7 +203,7 @@ def value_loss(
     agg_mode: str = "token-mean",
     global_tokens: float | None = None,
     global_seqs: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, ValueStats]:
     """Clipped value loss around the old values.
 
     Per token (ε = clip_range, c = coef, h = 1/2 when ``half`` else 1):
@@ -187,9 +222,7 @@ def value_loss(
         agg_mode, global_tokens, global_seqs: see ``aggregate``.
     Returns:
         loss: float scalar (with grad).
-        stats (detached floats over response tokens):
-            train/value_loss, train/value_clip_frac (fraction where the clipped term is larger,
-            i.e. the gradient is cut), train/value_mean, train/returns_mean
+        stats: :class:`ValueStats` (detached 0-dim tensors over response tokens).
     """
     _check_shapes(values, old_values=old_values, returns=returns, response_mask=response_mask)
     if clip_range is not None and clip_range <= 0:
@@ -220,12 +253,12 @@ def value_loss(
         global_seqs=global_seqs,
     )
     with torch.no_grad():
-        stats = {
-            "train/value_loss": float(loss.detach()),
-            "train/value_clip_frac": float(masked_mean(clipped.to(values.dtype), response_mask)),
-            "train/value_mean": float(masked_mean(values.detach(), response_mask)),
-            "train/returns_mean": float(masked_mean(returns, response_mask)),
-        }
+        stats = ValueStats(
+            value_loss=loss.detach(),
+            value_clip_frac=masked_mean(clipped.to(values.dtype), response_mask),
+            value_mean=masked_mean(values.detach(), response_mask),
+            returns_mean=masked_mean(returns, response_mask),
+        )
     return loss, stats
 
 

@@ -27,7 +27,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
@@ -285,34 +285,78 @@ class MetricAverager:
     ``add(stats, weight)``: a key's result is ``Σ weight · value / Σ weight`` (pass a micro-batch's
     response-token count for per-token stats, the default 1 for per-minibatch values such as
     losses and gradient norms); a ``*_max`` / ``*_min`` key keeps the largest / smallest value.
-    A key whose weights sum to 0 comes out NaN.
+    A key whose weights sum to 0 comes out NaN. Values and weights may be 0-dim tensors: they are
+    accumulated on their device in float64 and copied to the host once, by ``result()``.
     """
 
     def __init__(self) -> None:
-        self._sums: dict[str, float] = {}
-        self._weights: dict[str, float] = {}
+        self._sums: dict[str, Any] = {}
+        self._weights: dict[str, Any] = {}
 
-    def add(self, stats: Mapping[str, float], weight: float = 1.0) -> None:
+    def add(self, stats: Mapping[str, Any], weight: Any = 1.0) -> None:
+        w = _f64(weight)
         for k, v in stats.items():
-            v = float(v)
+            v = _f64(v)
             extreme = _extreme(k)
             if extreme is not None:
-                self._sums[k] = extreme(self._sums.get(k, v), v)
+                old = self._sums.get(k, v)
+                both = isinstance(old, float) and isinstance(v, float)
+                self._sums[k] = extreme(old, v) if both else _tensor_extreme(k, old, v)
                 self._weights[k] = 1.0
             else:
-                self._sums[k] = self._sums.get(k, 0.0) + v * weight
-                self._weights[k] = self._weights.get(k, 0.0) + weight
+                self._sums[k] = self._sums.get(k, 0.0) + v * w
+                self._weights[k] = self._weights.get(k, 0.0) + w
 
     def result(self) -> dict[str, float]:
-        return {k: self._sums[k] / w if (w := self._weights[k]) else math.nan for k in self._sums}
+        keys = list(self._sums)
+        values = _to_host([self._sums[k] for k in keys] + [self._weights[k] for k in keys])
+        n = len(keys)
+        return {
+            k: s / w if (w := values[n + i]) else math.nan
+            for i, (k, s) in enumerate(zip(keys, values[:n]))
+        }
 
 
-def reduce_over_ranks(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """One metrics dict from every rank's: ``*_max`` keys take the max, ``*_min`` the min, the
-    rest the mean over the ranks that have the key."""
+def _f64(x: Any) -> Any:
+    """A tensor as float64 on its device, anything else as a Python float."""
+    import torch
+
+    return x.detach().to(torch.float64) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _tensor_extreme(key: str, a: Any, b: Any) -> Any:
+    import torch
+
+    pick = torch.maximum if key.endswith("_max") else torch.minimum
+    device = next(x.device for x in (a, b) if isinstance(x, torch.Tensor))
+    as_t = [torch.as_tensor(x, dtype=torch.float64, device=device) for x in (a, b)]
+    return pick(*as_t)
+
+
+def _to_host(values: list[Any]) -> list[float]:
+    """Python floats of a list of floats and tensors: one device-to-host copy for all tensors."""
+    import torch
+
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    device = tensors[0].device
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    return stacked.tolist()
+
+
+def reduce_over_ranks(
+    per_rank: Sequence[Mapping[str, float]], summed: Collection[str] = ()
+) -> dict[str, float]:
+    """One metrics dict from every rank's: ``*_max`` keys take the max, ``*_min`` the min, keys in
+    ``summed`` the sum (e.g. each rank's share of a loss), the rest the mean over the ranks that
+    have the key."""
     out = {}
     for k in sorted(set().union(*per_rank)):
         vals = [m[k] for m in per_rank if k in m]
         extreme = _extreme(k)
-        out[k] = extreme(vals) if extreme is not None else sum(vals) / len(vals)
+        if extreme is not None:
+            out[k] = extreme(vals)
+        else:
+            out[k] = sum(vals) if k in summed else sum(vals) / len(vals)
     return out

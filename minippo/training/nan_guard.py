@@ -17,7 +17,6 @@ optimizer state stay untouched), counts consecutive skips and raises :class:`Non
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 import torch.distributed as dist
@@ -34,15 +33,16 @@ def all_finite(*values: torch.Tensor | float) -> bool:
 
     Each value is a scalar tensor or a float. With a process group, a value that is non-finite
     on any rank makes the answer False everywhere, so all ranks skip the same optimizer steps.
+    The flags are combined on the device: one host sync per call, whatever the number of values.
     """
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
     flags = [
-        bool(torch.isfinite(v).all()) if isinstance(v, torch.Tensor) else math.isfinite(float(v))
-        for v in values
+        torch.isfinite(torch.as_tensor(v, dtype=torch.float32)).all().to(device) for v in values
     ]
-    ok = torch.tensor([1.0 if all(flags) else 0.0])
+    ok = torch.stack(flags).all().to(torch.float32) if flags else torch.ones((), device=device)
     if dist.is_available() and dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            ok = ok.cuda()
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item() > 0.5)
 

@@ -52,7 +52,7 @@ def test_kl_loss_grad_and_aggregation():
     d = [-0.5, 1.0, 0.0]
     expected = sum(math.exp(x) - 1 - x for x in d) / 3
     assert float(loss.detach()) == pytest.approx(expected)
-    assert stats["train/kl_loss"] == pytest.approx(expected)
+    assert float(stats.kl_loss) == pytest.approx(expected)
     # d k3 / d logp = −(exp(d) − 1) = 1 − exp(d)
     (grad,) = torch.autograd.grad(loss, logp)
     expected_grad = torch.tensor(

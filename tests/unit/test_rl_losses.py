@@ -20,12 +20,12 @@ def test_policy_loss_by_hand_asymmetric_clip():
     l2 = max(-1.1 * 3.0, -1.1 * 3.0)
     l3 = max(-0.7 * 0.5, -0.8 * 0.5)
     torch.testing.assert_close(loss, torch.tensor((l0 + l1 + l2 + l3) / 4))
-    assert stats["train/clip_frac_high"] == pytest.approx(1 / 4)  # token 0
-    assert stats["train/clip_frac_low"] == pytest.approx(1 / 4)  # token 1
-    assert stats["train/ratio_max"] == pytest.approx(1.5)
-    assert stats["train/ratio_mean"] == pytest.approx(sum(ratios) / 4)
+    assert float(stats.clip_frac_high) == pytest.approx(1 / 4)  # token 0
+    assert float(stats.clip_frac_low) == pytest.approx(1 / 4)  # token 1
+    assert float(stats.ratio_max) == pytest.approx(1.5)
+    assert float(stats.ratio_mean) == pytest.approx(sum(ratios) / 4)
     k3 = sum(math.exp(-math.log(r)) - 1 + math.log(r) for r in ratios) / 4
-    assert stats["train/approx_kl"] == pytest.approx(k3, rel=1e-5)
+    assert float(stats.approx_kl) == pytest.approx(k3, rel=1e-5)
 
 
 def test_policy_loss_dual_clip():
@@ -35,7 +35,7 @@ def test_policy_loss_dual_clip():
     loss, stats = policy_loss(logp, torch.zeros(1, 2), adv, mask, dual_clip=3.0)
     # A < 0: max(5·1, 1.2·1) = 5, then min(5, 3·1) = 3;  A > 0: max(-5, -1.2) = -1.2
     torch.testing.assert_close(loss, torch.tensor((3.0 + -1.2) / 2))
-    assert stats["train/dual_clip_frac"] == pytest.approx(0.5)
+    assert float(stats.dual_clip_frac) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="dual_clip"):
         policy_loss(logp, torch.zeros(1, 2), adv, mask, dual_clip=1.0)
 
@@ -56,7 +56,7 @@ def test_policy_loss_weights_and_keep_mask_keep_the_denominator():
     assert torch.isfinite(logp.grad).all()
     assert logp.grad[0, 1] == 0 and logp.grad[1, 2] == 0
     torch.testing.assert_close(logp.grad[0, 0], torch.tensor(-0.5 * 1.0 / 5))
-    assert stats["train/kept_frac"] == pytest.approx(4 / 5)
+    assert float(stats.kept_frac) == pytest.approx(4 / 5)
 
 
 def test_policy_loss_log_ratio_clamped():
@@ -64,7 +64,7 @@ def test_policy_loss_log_ratio_clamped():
     anchor = torch.tensor([[-1000.0]])
     loss, stats = policy_loss(logp, anchor, torch.tensor([[-1.0]]), torch.ones(1, 1))
     assert math.isfinite(float(loss))
-    assert stats["train/ratio_max"] == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert float(stats.ratio_max) == pytest.approx(math.exp(20.0), rel=1e-5)
 
 
 def test_policy_loss_edge_cases_finite():
@@ -77,10 +77,10 @@ def test_policy_loss_edge_cases_finite():
         loss, stats = policy_loss(logp, torch.zeros(3, 4), torch.randn(3, 4), mask, agg_mode=mode)
         (grad,) = torch.autograd.grad(loss, logp)
         assert math.isfinite(float(loss.detach())) and torch.isfinite(grad).all()
-        assert all(math.isfinite(v) for v in stats.values())
+        assert all(math.isfinite(float(v)) for v in stats)
     # everything masked: loss 0, stats 0
     loss, stats = policy_loss(logp, torch.zeros(3, 4), torch.randn(3, 4), torch.zeros(3, 4))
-    assert float(loss.detach()) == 0.0 and stats["train/ratio_max"] == 0.0
+    assert float(loss.detach()) == 0.0 and float(stats.ratio_max) == 0.0
 
 
 def test_policy_loss_rejects_bad_input():
@@ -126,7 +126,7 @@ def test_value_loss_by_hand():
     # token 1: V_clip = 0.3 (inside the range); (0.3-0.1)²
     l1 = (0.3 - 0.1) ** 2
     torch.testing.assert_close(loss, torch.tensor(0.5 * (l0 + l1) / 2))
-    assert stats["train/value_clip_frac"] == pytest.approx(0.5)
+    assert float(stats.value_clip_frac) == pytest.approx(0.5)
     loss_nohalf, _ = value_loss(values, old, returns, mask, clip_range=None, coef=0.1, half=False)
     expected = 0.1 * ((1.0 - 1.2) ** 2 + (0.3 - 0.1) ** 2) / 2
     torch.testing.assert_close(loss_nohalf, torch.tensor(expected))

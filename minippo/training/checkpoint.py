@@ -4,9 +4,9 @@ Layout under ``ckpt_dir`` (``${output_dir}/checkpoints`` in the configs)::
 
     step_000010/              a complete checkpoint: 10 training steps done
         .metadata, *.distcp   DCP shards of every model and optimizer (each rank writes its own)
-        extra_rank0.pt        per-rank "extra" state (pickled): RNG states, correction state,
-        extra_rank1.pt        rollout-queue / dataloader position, LR schedulers, counters ...
-        meta.json             {"step": 10, "world_size": 2, "time": ...}; written last
+        extra_rank0.pt        per-rank state of the Stateful components (pickled): RNG, correction,
+        extra_rank1.pt        rollout queue (with the batch generated ahead), LR schedulers, guards
+        meta.json             {"step": 10, "world_size": 2, "format": 2, "time": ...}; written last
     latest                    one line: the name of the newest complete checkpoint
 
 Atomicity: everything is written into ``step_000010.tmp/``; only when every rank has finished,
@@ -19,6 +19,12 @@ Models and optimizers go through ``get_state_dict`` / ``set_state_dict``
 (``torch.distributed.checkpoint.state_dict``), so the same code saves a plain module in a single
 process (no process group) and an FSDP2-sharded module on N ranks (each rank writes its shards).
 Resuming needs the same world size (the per-rank extra state holds per-rank shards and RNG).
+
+Everything else is a ``Stateful`` (torchtitan's pattern): any object with ``state_dict()`` and
+``load_state_dict(state)``, passed by name as ``states={"queue": queue, "rng": RNGState(), ...}``;
+the checkpointer saves each one's ``state_dict()`` and, on load, hands it back to the object of
+the same name. ``meta.json`` records ``format`` (:data:`CHECKPOINT_FORMAT`); a checkpoint of
+another format is refused with a message that names it.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -43,6 +49,18 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+# Version of the checkpoint layout. 1: a hand-written "extra" dict (no "format" in meta.json);
+# 2: one entry per named Stateful component.
+CHECKPOINT_FORMAT = 2
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What the checkpointer saves besides models and optimizers."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def _dist() -> bool:
@@ -102,6 +120,16 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class RNGState:
+    """This process's RNG states as a Stateful (:func:`capture_rng_state` / :func:`restore_rng_state`)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restore_rng_state(state)
+
+
 class Checkpointer:
     """Save and load training checkpoints under ``ckpt_dir``; see the module docstring.
 
@@ -124,7 +152,7 @@ class Checkpointer:
         step: int,
         *,
         models: Mapping[str, tuple[nn.Module, torch.optim.Optimizer | None]],
-        extra: Mapping[str, Any],
+        states: Mapping[str, Stateful],
         meta: Mapping[str, Any] | None = None,
     ) -> Path:
         """Write checkpoint ``step`` atomically; collective (call on every rank); returns its path.
@@ -133,8 +161,9 @@ class Checkpointer:
             step: number of completed training steps (a resumed run starts at this step).
             models: name -> (module, its optimizer or None). Saved as DCP shards under the keys
                 ``name`` and ``name + "_optim"``.
-            extra: this rank's picklable state (RNG, correction, queue position, schedulers...).
-                Tensors in it must be plain tensors (e.g. a rank's local shards), not DTensors.
+            states: name -> Stateful (queue, correction, schedulers, guards, RNG...); each one's
+                ``state_dict()`` must be picklable, with plain tensors (a rank's local shards),
+                not DTensors. Saved per rank.
             meta: small JSON-able facts added to ``meta.json`` (e.g. the weight version).
         """
         final = self.ckpt_dir / step_dir_name(step)
@@ -150,11 +179,17 @@ class Checkpointer:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
-        torch.save(dict(extra), tmp / f"extra_rank{_rank()}.pt")
+        extra = {name: obj.state_dict() for name, obj in states.items()}
+        torch.save(extra, tmp / f"extra_rank{_rank()}.pt")
         _barrier()
 
         if _rank() == 0:
-            info = {"step": step, "world_size": _world_size(), "time": time.time()}
+            info = {
+                "step": step,
+                "world_size": _world_size(),
+                "format": CHECKPOINT_FORMAT,
+                "time": time.time(),
+            }
             info.update(meta or {})
             _write_text_atomic(tmp / "meta.json", json.dumps(info, indent=2) + "\n")
             old = None
@@ -211,13 +246,21 @@ class Checkpointer:
         path: str | os.PathLike,
         *,
         models: Mapping[str, tuple[nn.Module, torch.optim.Optimizer | None]],
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Load checkpoint ``path`` into ``models`` (in place); collective.
+        states: Mapping[str, Stateful],
+    ) -> dict[str, Any]:
+        """Load checkpoint ``path`` into ``models`` and ``states`` (in place); collective.
 
-        Returns ``(extra, meta)``: this rank's extra state and the contents of meta.json.
+        Every name in ``states`` must be in the checkpoint. Returns the contents of meta.json.
         """
         path = Path(path)
         meta = json.loads((path / "meta.json").read_text())
+        found = meta.get("format", 1)
+        if found != CHECKPOINT_FORMAT:
+            raise ValueError(
+                f"checkpoint {path} has checkpoint format {found}, but this minippo reads format "
+                f"{CHECKPOINT_FORMAT}; resume it with the minippo version that wrote it, or start "
+                "a fresh run (resume_from=null)"
+            )
         if meta["world_size"] != _world_size():
             raise ValueError(
                 f"checkpoint {path} was written by {meta['world_size']} ranks but this run has "
@@ -238,8 +281,16 @@ class Checkpointer:
                     optim_state_dict=state[name + "_optim"],
                 )
         extra = torch.load(path / f"extra_rank{_rank()}.pt", weights_only=False)
+        missing = sorted(set(states) - set(extra))
+        if missing:
+            raise ValueError(
+                f"checkpoint {path} has no state for {missing} (it holds {sorted(extra)}); it was "
+                "written by a run with other components"
+            )
+        for name, obj in states.items():
+            obj.load_state_dict(extra[name])
         log.info("loaded checkpoint %s (step %d)", path, meta["step"])
-        return extra, meta
+        return meta
 
 
 def _model_state(models: dict) -> dict[str, Any]:

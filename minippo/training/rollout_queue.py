@@ -271,13 +271,14 @@ class RolloutQueue:
             else int(self.engine.version)
         )
         self._prompt_iter = iter(self.prompts)
-        for _ in range(self._next_step * self.groups_per_batch):  # resume: skip consumed prompts
+        # resume: skip the prompts of the consumed steps and of a batch restored by load_state_dict
+        self._next_slot = self._next_step + (1 if self._next_step in self._ready else 0)
+        for _ in range(self._next_slot * self.groups_per_batch):
             if next(self._prompt_iter, _END) is _END:
                 raise PromptsExhausted(
                     f"cannot resume at step {self._next_step}: the prompt source has fewer than "
-                    f"{self._next_step * self.groups_per_batch} prompts"
+                    f"{self._next_slot * self.groups_per_batch} prompts"
                 )
-        self._next_slot = self._next_step
         self._thread = threading.Thread(target=self._produce, name="rollout-queue", daemon=True)
         self._thread.start()
 
@@ -296,27 +297,8 @@ class RolloutQueue:
                 f"{self._next_step}; steps are consumed one by one from 0 (or the resumed step)"
             )
         t0 = time.perf_counter()
-        deadline = None if timeout is None else t0 + timeout
         with self._cond:
-            while step not in self._ready:
-                if self._error is not None:
-                    raise RuntimeError("the rollout producer thread failed") from self._error
-                if self._exhausted_at is not None and step >= self._exhausted_at:
-                    raise PromptsExhausted(
-                        f"the prompt source ran out before the batch of step {step} was filled"
-                    )
-                if self._version < step - self.max_staleness:
-                    raise RuntimeError(
-                        f"get_batch(step={step}) with max_staleness={self.max_staleness} needs "
-                        f"weights of version >= {step - self.max_staleness} published first "
-                        f"(queue.publish or queue.on_weights_published); latest is {self._version}"
-                    )
-                if self._stop:
-                    raise RuntimeError("the rollout queue was closed")
-                remaining = None if deadline is None else deadline - time.perf_counter()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"no batch for step {step} after {timeout} s")
-                self._cond.wait(timeout=remaining if remaining is not None else 1.0)
+            self._wait_ready(step, None if timeout is None else t0 + timeout)
             out = self._ready.pop(step)
             self._next_step = step + 1
             self._cond.notify_all()
@@ -335,6 +317,30 @@ class RolloutQueue:
         out.metrics["rollout/wait_s"] = time.perf_counter() - t0
         out.metrics.update(self.metrics())
         return out
+
+    def _wait_ready(self, step: int, deadline: float | None) -> None:
+        """Wait (holding ``self._cond``) until the batch of ``step`` is ready; raise when it
+        cannot come (producer error, prompts exhausted, weights not published, queue closed)."""
+        timeout = None if deadline is None else deadline - time.perf_counter()
+        while step not in self._ready:
+            if self._error is not None:
+                raise RuntimeError("the rollout producer thread failed") from self._error
+            if self._exhausted_at is not None and step >= self._exhausted_at:
+                raise PromptsExhausted(
+                    f"the prompt source ran out before the batch of step {step} was filled"
+                )
+            if self._version < step - self.max_staleness:
+                raise RuntimeError(
+                    f"get_batch(step={step}) with max_staleness={self.max_staleness} needs "
+                    f"weights of version >= {step - self.max_staleness} published first "
+                    f"(queue.publish or queue.on_weights_published); latest is {self._version}"
+                )
+            if self._stop:
+                raise RuntimeError("the rollout queue was closed")
+            remaining = None if deadline is None else deadline - time.perf_counter()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"no batch for step {step} after {timeout:.3g} s")
+            self._cond.wait(timeout=remaining if remaining is not None else 1.0)
 
     def publish(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Push new weights into the engine and record ``version`` (see partial_rollout)."""
@@ -380,20 +386,28 @@ class RolloutQueue:
             "rollout/buffered_batches": float(len(self._ready)),
         }
 
-    def state_dict(self) -> dict[str, int]:
-        """Resume position: the next training step (prompts consumed = step * groups_per_batch).
+    def state_dict(self) -> dict[str, Any]:
+        """Resume position, and the batch generated ahead of training.
 
-        Batches generated ahead of training are not saved: on resume they are generated again
-        from the same prompts with the same per-request seeds.
+        The next step's batch is (being) generated with weights older than the ones a checkpoint
+        saves now, which a resumed run could not rebuild: this waits for that batch and saves it
+        (it stays queued here too). A resumed run then trains on the very same tokens and its
+        producer continues with the step after it. Before ``start`` nothing is ahead.
         """
+        ahead = None
+        with self._cond:
+            if self._thread is not None and self._exhausted_at != self._next_step:
+                self._wait_ready(self._next_step, None)
+                ahead = self._ready[self._next_step]
         return {
             "next_step": self._next_step,
             "prompts_consumed": self._next_step * self.groups_per_batch,
             "seed": self.seed,
+            "batch_ahead": ahead,
         }
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Restore the position saved by ``state_dict``; call before ``start``."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` saved; call before ``start``."""
         if self._thread is not None:
             raise RuntimeError("load_state_dict must be called before start()")
         if state["prompts_consumed"] != state["next_step"] * self.groups_per_batch:
@@ -404,6 +418,9 @@ class RolloutQueue:
             )
         self._next_step = int(state["next_step"])
         self.seed = int(state["seed"])
+        self._ready.clear()
+        if state["batch_ahead"] is not None:
+            self._ready[self._next_step] = state["batch_ahead"]
 
     def close(self) -> None:
         """Stop the producer (aborting its in-flight requests) and join it. Idempotent."""

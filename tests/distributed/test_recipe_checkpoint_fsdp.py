@@ -28,21 +28,37 @@ def _step(model, optim, rank, seed):
     optim.zero_grad()
 
 
+class _Rank:
+    """A per-rank Stateful: each rank saves and loads its own value."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def state_dict(self):
+        return {"rank": self.rank}
+
+    def load_state_dict(self, state):
+        self.rank = state["rank"]
+
+
 def _check(rank, world, tmpdir):
     init_distributed()
     try:
         model, optim = _model(0)
         _step(model, optim, rank, 1)
         ckpt = Checkpointer(tmpdir)
-        ckpt.save(1, models={"actor": (model, optim)}, extra={"rank": rank})
+        ckpt.save(1, models={"actor": (model, optim)}, states={"rank": _Rank(rank)})
         names = sorted(p.name for p in ckpt.ckpt_dir.iterdir())
         assert names == ["latest", "step_000001"], names
         files = sorted(p.name for p in (ckpt.ckpt_dir / "step_000001").iterdir())
         assert {"extra_rank0.pt", "extra_rank1.pt", "meta.json", ".metadata"} <= set(files)
 
         fresh, fresh_optim = _model(5)
-        extra, meta = ckpt.load(ckpt.resolve("latest"), models={"actor": (fresh, fresh_optim)})
-        assert extra == {"rank": rank} and meta["world_size"] == world
+        loaded = _Rank(-1)
+        meta = ckpt.load(
+            ckpt.resolve("latest"), models={"actor": (fresh, fresh_optim)}, states={"rank": loaded}
+        )
+        assert loaded.rank == rank and meta["world_size"] == world
         a, b = gather_full_state_dict(model), gather_full_state_dict(fresh)
         for k in a:
             assert torch.equal(a[k], b[k]), k

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from minippo.training.checkpoint import (
+    CHECKPOINT_FORMAT,
     Checkpointer,
-    capture_rng_state,
-    restore_rng_state,
+    RNGState,
     step_dir_name,
 )
 
@@ -34,6 +34,19 @@ def _train_one_step(model, optim, seed: int) -> None:
     optim.zero_grad()
 
 
+class _Box:
+    """A Stateful holding one picklable value."""
+
+    def __init__(self, value=None):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
 def _params(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -44,12 +57,16 @@ def test_round_trip_restores_model_optimizer_extra_and_rng(tmp_path):
     _train_one_step(model, optim, 1)
     ckpt = Checkpointer(tmp_path / "ckpt")
     torch.manual_seed(123)
-    rng = capture_rng_state()
     expected_draw = torch.rand(3)
+    torch.manual_seed(123)
     path = ckpt.save(
         1,
         models={"actor": (model, optim), "frozen": (critic, None)},
-        extra={"rng": rng, "queue": {"epoch": 2, "offset": 7}, "blob": torch.arange(3)},
+        states={
+            "rng": RNGState(),
+            "queue": _Box({"epoch": 2, "offset": 7}),
+            "blob": _Box(torch.arange(3)),
+        },
         meta={"version": 1},
     )
     assert path.name == step_dir_name(1) == "step_000001"
@@ -59,23 +76,26 @@ def test_round_trip_restores_model_optimizer_extra_and_rng(tmp_path):
     # a differently initialised model + fresh optimizer get exactly the saved state back
     model2, optim2 = _model_and_optim(99)
     critic2 = nn.Linear(3, 1)
-    extra, meta = ckpt.load(
-        ckpt.resolve("latest"), models={"actor": (model2, optim2), "frozen": (critic2, None)}
+    queue, blob = _Box(), _Box()
+    torch.rand(5)  # move the RNG on: loading restores it
+    meta = ckpt.load(
+        ckpt.resolve("latest"),
+        models={"actor": (model2, optim2), "frozen": (critic2, None)},
+        states={"rng": RNGState(), "queue": queue, "blob": blob},
     )
+    assert meta["format"] == CHECKPOINT_FORMAT
+    torch.testing.assert_close(torch.rand(3), expected_draw, rtol=0, atol=0)
     assert meta["step"] == 1 and meta["world_size"] == 1
     for k, v in _params(model).items():
         torch.testing.assert_close(model2.state_dict()[k], v, rtol=0, atol=0)
     torch.testing.assert_close(critic2.weight, critic.weight, rtol=0, atol=0)
-    assert extra["queue"] == {"epoch": 2, "offset": 7}
-    assert torch.equal(extra["blob"], torch.arange(3))
+    assert queue.value == {"epoch": 2, "offset": 7}
+    assert torch.equal(blob.value, torch.arange(3))
     # optimizer moments restored: the next step is identical on both copies
     _train_one_step(model, optim, 2)
     _train_one_step(model2, optim2, 2)
     for k, v in _params(model).items():
         torch.testing.assert_close(model2.state_dict()[k], v, rtol=0, atol=0)
-    torch.rand(5)  # move the RNG on, then restore
-    restore_rng_state(extra["rng"])
-    torch.testing.assert_close(torch.rand(3), expected_draw, rtol=0, atol=0)
 
 
 class _Unpicklable:
@@ -86,23 +106,24 @@ class _Unpicklable:
 def test_failed_save_leaves_previous_checkpoint_usable(tmp_path):
     model, optim = _model_and_optim(0)
     ckpt = Checkpointer(tmp_path)
-    ckpt.save(1, models={"actor": (model, optim)}, extra={"n": 1})
+    ckpt.save(1, models={"actor": (model, optim)}, states={"n": _Box(1)})
     saved = _params(model)
     _train_one_step(model, optim, 3)
     # the model shards are written, then writing the extra state fails half-way
     with pytest.raises(RuntimeError, match="disk full"):
-        ckpt.save(2, models={"actor": (model, optim)}, extra={"bad": _Unpicklable()})
+        ckpt.save(2, models={"actor": (model, optim)}, states={"bad": _Box(_Unpicklable())})
     assert (tmp_path / "step_000002.tmp").exists()
     assert not (tmp_path / "step_000002").exists()
     assert (tmp_path / "latest").read_text().strip() == "step_000001"
 
     model2, optim2 = _model_and_optim(5)
-    extra, meta = ckpt.load(ckpt.resolve("latest"), models={"actor": (model2, optim2)})
-    assert meta["step"] == 1 and extra == {"n": 1}
+    n = _Box()
+    meta = ckpt.load(ckpt.resolve("latest"), models={"actor": (model2, optim2)}, states={"n": n})
+    assert meta["step"] == 1 and n.value == 1
     for k, v in saved.items():
         torch.testing.assert_close(model2.state_dict()[k], v, rtol=0, atol=0)
     # the next save of that step cleans the half-written folder and succeeds
-    ckpt.save(2, models={"actor": (model, optim)}, extra={"n": 2})
+    ckpt.save(2, models={"actor": (model, optim)}, states={"n": _Box(2)})
     assert not (tmp_path / "step_000002.tmp").exists()
     assert ckpt.resolve("latest").name == "step_000002"
 
@@ -118,7 +139,7 @@ def test_kill_during_save_leaves_previous_checkpoint_usable(tmp_path):
         m = nn.Linear(3, 2)
         o = torch.optim.SGD(m.parameters(), lr=0.1)
         ck = C.Checkpointer({str(tmp_path)!r})
-        ck.save(1, models={{"actor": (m, o)}}, extra={{}})
+        ck.save(1, models={{"actor": (m, o)}}, states={{}})
         torch.save(m.state_dict(), {str(tmp_path / "ref.pt")!r})
         with torch.no_grad():
             m.weight.add_(1.0)
@@ -128,7 +149,7 @@ def test_kill_during_save_leaves_previous_checkpoint_usable(tmp_path):
                 os.kill(os.getpid(), signal.SIGKILL)
             real_rename(src, dst)
         os.rename = rename
-        ck.save(2, models={{"actor": (m, o)}}, extra={{}})
+        ck.save(2, models={{"actor": (m, o)}}, states={{}})
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -138,7 +159,7 @@ def test_kill_during_save_leaves_previous_checkpoint_usable(tmp_path):
     path = ckpt.resolve("latest")
     assert path.name == "step_000001"
     m = nn.Linear(3, 2)
-    ckpt.load(path, models={"actor": (m, torch.optim.SGD(m.parameters(), lr=0.1))})
+    ckpt.load(path, models={"actor": (m, torch.optim.SGD(m.parameters(), lr=0.1))}, states={})
     ref = torch.load(tmp_path / "ref.pt")
     torch.testing.assert_close(m.weight, ref["weight"], rtol=0, atol=0)
 
@@ -147,12 +168,15 @@ def test_resave_same_step_and_keep_last(tmp_path):
     model, optim = _model_and_optim(0)
     ckpt = Checkpointer(tmp_path, keep_last=2)
     for step in (1, 2, 3):
-        ckpt.save(step, models={"actor": (model, optim)}, extra={"s": step})
+        ckpt.save(step, models={"actor": (model, optim)}, states={"s": _Box(step)})
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000002", "step_000003"]
-    ckpt.save(3, models={"actor": (model, optim)}, extra={"s": 33})  # a re-run over old output
+    ckpt.save(3, models={"actor": (model, optim)}, states={"s": _Box(33)})  # a re-run over old output
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_000002", "step_000003"]
-    extra, _ = ckpt.load(ckpt.resolve(tmp_path / "step_000003"), models={"actor": (model, optim)})
-    assert extra == {"s": 33}
+    box = _Box()
+    ckpt.load(
+        ckpt.resolve(tmp_path / "step_000003"), models={"actor": (model, optim)}, states={"s": box}
+    )
+    assert box.value == 33
 
 
 def test_resolve_errors_and_fresh_run(tmp_path):
@@ -169,9 +193,22 @@ def test_resolve_errors_and_fresh_run(tmp_path):
 def test_world_size_mismatch_is_refused(tmp_path):
     model, optim = _model_and_optim(0)
     ckpt = Checkpointer(tmp_path)
-    path = ckpt.save(1, models={"actor": (model, optim)}, extra={})
+    path = ckpt.save(1, models={"actor": (model, optim)}, states={})
     meta = json.loads((path / "meta.json").read_text())
     meta["world_size"] = 8
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="--nproc-per-node 8"):
-        ckpt.load(path, models={"actor": (model, optim)})
+        ckpt.load(path, models={"actor": (model, optim)}, states={})
+
+
+def test_checkpoint_of_another_format_or_without_a_state_is_refused(tmp_path):
+    model, optim = _model_and_optim(0)
+    ckpt = Checkpointer(tmp_path)
+    path = ckpt.save(1, models={"actor": (model, optim)}, states={"n": _Box(1)})
+    with pytest.raises(ValueError, match=r"no state for \['queue'\]"):
+        ckpt.load(path, models={"actor": (model, optim)}, states={"n": _Box(), "queue": _Box()})
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["format"]  # as written before Stateful checkpoints
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="has checkpoint format 1, but this minippo reads format 2"):
+        ckpt.load(path, models={"actor": (model, optim)}, states={"n": _Box()})

@@ -329,9 +329,12 @@ def test_resume_reproduces_the_uninterrupted_sequence():
     for step in range(2):
         q.get_batch(step, timeout=10)
         q.publish([], version=step + 1)
-    state = q.state_dict()
+    state = q.state_dict()  # waits for the batch of step 2 and saves it (generated ahead)
     q.close()
+    ahead = state.pop("batch_ahead")
     assert state == {"next_step": 2, "prompts_consumed": 4, "seed": 5}
+    assert ahead.step == 2 and torch.equal(ahead.batch.input_ids, full[2].batch.input_ids)
+    state["batch_ahead"] = ahead
     q2 = make(version=2)
     q2.load_state_dict(state)
     q2.start()

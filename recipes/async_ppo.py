@@ -8,32 +8,31 @@ Copy it with ``minippo cp async_ppo my_ppo.py`` and edit; nothing imports this f
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import shutil
 import time
-from collections import defaultdict
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grad_norm_
 
-from minippo.config import instantiate, locate
+from minippo.config import canonical_dtype, instantiate, torch_dtype
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
 from minippo.models import (
     TOKENIZER_FILES,
     Transformer,
     ValueModel,
-    from_pretrained,
     init_weights,
+    load_pretrained_weights,
+    model_args_from_pretrained,
+    response_logprobs,
     save_pretrained_state_dict,
     token_logprobs_and_entropy,
-    value_model_from_pretrained,
 )
 from minippo.parallel import (
     apply_activation_checkpointing,
@@ -44,6 +43,8 @@ from minippo.parallel import (
     shard_model,
 )
 from minippo.rl import (
+    ADVANTAGE_ESTIMATORS,
+    as_metrics,
     explained_variance,
     gae,
     global_counts,
@@ -53,17 +54,14 @@ from minippo.rl import (
     masked_mean,
     masked_sum,
     masked_whiten,
+    needs_critic,
     place_sequence_rewards,
     policy_loss,
     split_critic_values,
     value_loss,
 )
-from minippo.rl.correction import (
-    build_correction,
-    response_logprobs,
-    validate_async_off_policy_correction,
-)
-from minippo.training.checkpoint import Checkpointer, capture_rng_state, restore_rng_state
+from minippo.rl.correction import validate_async_off_policy_correction
+from minippo.training.checkpoint import Checkpointer, RNGState
 from minippo.training.metrics import MetricAverager, NoOpLogger, reduce_over_ranks
 from minippo.training.nan_guard import NonFiniteGuard
 from minippo.training.optimizers import build_optimizer
@@ -71,15 +69,18 @@ from minippo.training.progress import ProgressBar
 from minippo.training.rollout_queue import RolloutQueue
 
 log = logging.getLogger("minippo.async_ppo")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# each rank logs its share of these losses; the logged value is their sum over ranks
+LOSS_SHARES = ("train/loss", "train/policy_loss", "train/kl_loss", "train/value_loss")
 
 
 def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) -> None:
     """Every shape and option check that needs no model, with the values and the fix."""
     r, ppo = cfg.rollout, cfg.ppo
     est = cfg.advantage_estimator
-    if est not in ("gae", "grpo"):
-        raise ValueError(f"advantage_estimator must be 'gae' or 'grpo', got {est!r}")
+    if est not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"advantage_estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {est!r}"
+        )
     if cfg.total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {cfg.total_steps}")
     if r.groups_per_batch % world_size:
@@ -116,7 +117,7 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
             "kl.estimator=k1 with kl.mode=loss has zero expected gradient (E_π[∇log π] = 0); "
             "set kl.estimator=k2 (gradient of KL(π‖π_ref)) or k3 (gradient of KL(π_ref‖π))"
         )
-    if est == "gae" and not 0 <= cfg.critic.warmup_steps < cfg.total_steps:
+    if needs_critic(est) and not 0 <= cfg.critic.warmup_steps < cfg.total_steps:
         raise ValueError(
             f"critic.warmup_steps ({cfg.critic.warmup_steps}) must be in [0, total_steps "
             f"({cfg.total_steps}))"
@@ -125,11 +126,7 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
         raise ValueError(
             f"ppo.score_micro_batch_size must be >= 1 or null, got {ppo.score_micro_batch_size}"
         )
-    if cfg.dtype not in DTYPES or cfg.engine_dtype not in DTYPES:
-        raise ValueError(
-            f"dtype ({cfg.dtype!r}) and engine_dtype ({cfg.engine_dtype!r}) must be in {sorted(DTYPES)}"
-        )
-    if cfg.dtype != "fp32" and not distributed:
+    if canonical_dtype(cfg.dtype, "dtype") != "float32" and not distributed:
         raise ValueError(
             f"dtype={cfg.dtype} is FSDP2 mixed precision (fp32 master weights), which needs a "
             "process group: run `minippo run --nproc-per-node 1 async_ppo ...`, or set dtype=fp32"
@@ -168,8 +165,10 @@ class AsyncPPORecipe:
     KL(π_θ‖π_ref) with ``k2`` and of KL(π_ref‖π_θ) with ``k3``; ``k1`` is refused).
 
     Parallelism: under torchrun (``minippo run --nproc-per-node N``) actor, critic and reference
-    are FSDP2-sharded over all ranks, and each rank drives its own engine with its share
-    (``groups_per_batch / N``) of the prompts. A plain single process uses unsharded modules.
+    are built on the meta device, FSDP2-sharded over all ranks, then filled (each rank reads only
+    its shards); each rank drives its own engine with its share (``groups_per_batch / N``) of
+    the prompts. A plain single process uses unsharded modules. Losses are each rank's share of
+    the global loss (global token counts) and FSDP sums gradients over ranks.
     Papers: PPO (Schulman et al. 2017), GAE (Schulman et al. 2016), GRPO (Shao et al. 2024),
     PPO-EWMA (Hilton et al. 2021), decoupled PPO (Fu et al. 2025), TIS (Yao et al. 2025).
     """
@@ -194,10 +193,10 @@ class AsyncPPORecipe:
         self.total_steps = int(cfg.total_steps)
         self.start_step = 0
         self.temperature = float(cfg.rollout.temperature) or 1.0  # greedy scores at T = 1
-        self.use_critic = cfg.advantage_estimator == "gae"
+        self.use_critic = needs_critic(cfg.advantage_estimator)
         self.use_ref = cfg.kl.coef > 0
         self.ckpt_path: Path | None = None
-        self._batch_ahead = None  # the next step's batch, taken before a checkpoint is saved
+        self.progress = self.queue = self.engine = self.logger = None  # built by setup
 
     # ------------------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
@@ -205,20 +204,26 @@ class AsyncPPORecipe:
         self.dataset = instantiate(cfg.dataset, tokenizer=self.tokenizer)
         self.reward_fn = instantiate(cfg.reward)
 
-        # Models: built in full on CPU (random init or an HF folder), the engine copies the
-        # actor, then each model moves to the device and is sharded (under torchrun).
-        actor = self._build_model(cfg, critic=False)
-        if actor.args.vocab_size < self.tokenizer.vocab_size:
+        # Models: built on the meta device, sharded (under torchrun), then filled with the
+        # checkpoint's or a seeded random init's weights. The engine is built from the model
+        # config and receives its weights through the first publish.
+        args = model_args_from_pretrained(cfg.checkpoint_path) if cfg.checkpoint_path else None
+        args = args or instantiate(cfg.model)
+        if args.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(
-                f"the model's vocab_size ({actor.args.vocab_size}) is smaller than the tokenizer's "
+                f"the model's vocab_size ({args.vocab_size}) is smaller than the tokenizer's "
                 f"({self.tokenizer.vocab_size}); set model.vocab_size={self.tokenizer.vocab_size}"
             )
-        self.engine = self._build_engine(cfg, actor)
-        self.actor = self._place(actor)
-        self.critic = self._place(self._build_model(cfg, critic=True)) if self.use_critic else None
+        self.engine = instantiate(cfg.engine, model_args=args)
+        self.actor = self._build_model(args, cfg.checkpoint_path, seed=cfg.seed)
+        self.critic = None
+        if self.use_critic:
+            path = cfg.critic.checkpoint_path
+            critic_args = model_args_from_pretrained(path) if path else args
+            self.critic = self._build_model(critic_args, path, seed=cfg.seed + 1, critic=True)
         self.ref = None  # frozen: no activation checkpointing, no gradients
         if self.use_ref:
-            self.ref = self._place(self._build_model(cfg, critic=False), trainable=False)
+            self.ref = self._build_model(args, cfg.checkpoint_path, seed=cfg.seed, trainable=False)
 
         self.optimizer = build_optimizer(cfg.optimizer, self.actor.parameters())
         self.scheduler = instantiate(cfg.lr_scheduler, self.optimizer)
@@ -226,14 +231,12 @@ class AsyncPPORecipe:
         if self.use_critic:
             self.critic_optimizer = build_optimizer(cfg.critic.optimizer, self.critic.parameters())
             self.critic_scheduler = instantiate(cfg.lr_scheduler, self.critic_optimizer)
-        self.updates_per_step = cfg.ppo.epochs * cfg.ppo.minibatches
-        self.correction = build_correction(  # anchors scored like every no-grad pass
-            cfg,
+        self.correction = instantiate(  # any Correction class; anchors scored like every pass
+            cfg.correction or {"_component_": "minippo.rl.correction.NoCorrection"},
             temperature=self.temperature,
-            updates_per_step=self.updates_per_step,
-            score_fn=lambda model, b: self._scored(
-                partial(response_logprobs, model, temperature=self.temperature), b
-            ),
+            max_staleness=cfg.rollout.max_staleness,
+            updates_per_step=cfg.ppo.epochs * cfg.ppo.minibatches,
+            score_fn=lambda model, b: self._scored(self._logprobs_fn(model), b),
         )
         self.actor_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
         self.critic_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
@@ -259,6 +262,17 @@ class AsyncPPORecipe:
             seed=cfg.seed * 1000 + self.rank,
         )
 
+        # Everything a resumed run needs besides the models: Stateful objects, saved by name.
+        self.states = {
+            "rng": RNGState(),
+            "queue": self.queue,  # with the batch it generated ahead for the next step
+            "correction": self.correction,
+            "scheduler": self.scheduler,
+            "actor_guard": self.actor_guard,
+            "critic_guard": self.critic_guard,
+        }
+        if self.critic_scheduler is not None:
+            self.states["critic_scheduler"] = self.critic_scheduler
         self.checkpointer = Checkpointer(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last)
         resume = self.checkpointer.resolve(cfg.resume_from)
         if resume is not None:
@@ -273,36 +287,27 @@ class AsyncPPORecipe:
             self.total_steps, self.start_step, enabled=self.is_main and cfg.progress_bar
         )
 
-    def _build_model(self, cfg: DictConfig, *, critic: bool) -> torch.nn.Module:
-        path = cfg.critic.checkpoint_path if critic else cfg.checkpoint_path
-        if path:
-            load = value_model_from_pretrained if critic else from_pretrained
-            return load(path, dtype=torch.float32, device="cpu")
-        args = instantiate(cfg.model)
-        model = ValueModel(args) if critic else Transformer(args)
-        return init_weights(model, seed=cfg.seed + (1 if critic else 0))
-
-    def _build_engine(self, cfg: DictConfig, actor: torch.nn.Module):
-        # TorchEngine is handed the actor (it copies it into its own process); an engine without
-        # a `model` argument (SGLang) loads `model_path` itself. Both receive the actor's weights
-        # through publish() before the first request.
-        takes_model = "model" in inspect.signature(locate(cfg.engine._component_)).parameters
-        return instantiate(cfg.engine, actor) if takes_model else instantiate(cfg.engine)
-
-    def _place(self, model: torch.nn.Module, *, trainable: bool = True) -> torch.nn.Module:
-        model = model.to(self.device).requires_grad_(trainable)
+    def _build_model(self, args, path, *, seed: int, critic: bool = False, trainable: bool = True):
+        """Meta-device build → activation checkpointing → FSDP2 shards → weights (an HF folder,
+        read one tensor at a time, or a seeded init that equals an unsharded one)."""
+        with torch.device("meta"):
+            model = ValueModel(args) if critic else Transformer(args)
+        model.requires_grad_(trainable)
         if trainable and self.cfg.activation_checkpointing:  # recompute each block in backward
             apply_activation_checkpointing(model)
         if self.dist.distributed:  # a plain single process trains unsharded, in fp32
-            shard_model(model, param_dtype=DTYPES[self.cfg.dtype])
-        return model
+            dtype = torch_dtype(self.cfg.dtype, "dtype")
+            shard_model(model, param_dtype=dtype, sum_gradients=True)
+        model.to_empty(device=self.device)
+        return load_pretrained_weights(model, path) if path else init_weights(model, seed=seed)
 
     def _publish(self, version: int) -> None:
-        """Step 5: full weights bucket by bucket into this rank's engine; snapshot for the
-        correction. Collective under FSDP (every rank gathers every tensor)."""
-        dtype = DTYPES[self.cfg.engine_dtype]
+        """Step 5: full weights bucket by bucket into this rank's engine, in the engine's dtype;
+        snapshot for the correction. Collective under FSDP (every rank gathers every tensor)."""
         buckets = full_tensor_buckets(
-            self.actor, bucket_bytes=int(self.cfg.publish_bucket_mb * 2**20), dtype=dtype
+            self.actor,
+            bucket_bytes=int(self.cfg.publish_bucket_mb * 2**20),
+            dtype=self.engine.dtype,
         )
         self.queue.publish(buckets, version=version)
         self.correction.on_weights_published(version, self.actor)
@@ -313,27 +318,20 @@ class AsyncPPORecipe:
         for step in range(self.start_step, self.total_steps):
             t_step = time.perf_counter()
             # step 0. the batch of this step (generated in the background)
-            rollouts, self._batch_ahead = self._batch_ahead, None  # taken at the last checkpoint
-            if rollouts is None:
-                rollouts = self.queue.get_batch(step)
+            rollouts = self.queue.get_batch(step)
             batch = rollouts.batch.to(self.device)
             mask = batch.response_mask
             metrics = dict(rollouts.metrics)
 
-            # step 1. rewards (scored by the queue's thread); debug: inject a NaN
+            # step 1. rewards (scored by the queue's thread)
             rewards = batch.rewards
-            inject_nan = step in cfg.debug.nan_loss_at_steps
-            if inject_nan:
-                metrics["debug/nan_injected"] = 1.0
 
             # step 2. no-grad passes: reference logprobs, critic values, correction anchors
             t_prep = time.perf_counter()
             with torch.no_grad():
                 ref_logprobs = values = bootstrap = None
                 if self.use_ref:
-                    ref_logprobs = self._scored(
-                        partial(response_logprobs, self.ref, temperature=self.temperature), batch
-                    )
+                    ref_logprobs = self._scored(self._logprobs_fn(self.ref), batch)
                 if self.use_critic:
                     values, bootstrap = split_critic_values(self._scored(self._values, batch), mask)
                 corr = self.correction.prepare(batch, self.actor, step=step)
@@ -371,19 +369,12 @@ class AsyncPPORecipe:
             # step 4. PPO epochs x minibatches, gradient accumulation over micro-batches
             t_train = time.perf_counter()
             train_actor = not (self.use_critic and step < cfg.critic.warmup_steps)
-            stats = self._ppo_updates(
-                step,
-                batch,
-                corr,
-                advantages,
-                returns,
-                values,
-                ref_logprobs,
-                train_actor,
-                inject_nan,
+            metrics.update(
+                self._ppo_updates(
+                    step, batch, corr, advantages, returns, values, ref_logprobs, train_actor
+                )
             )
-            metrics.update(stats)
-            metrics.update(corr.metrics)  # after the updates (loglinear_prox completes them)
+            metrics.update(corr.metrics())
             if train_actor:  # the actor's schedule starts with its first update
                 self.scheduler.step()
             if self.critic_scheduler is not None:
@@ -395,9 +386,17 @@ class AsyncPPORecipe:
 
             # step 6. metrics, progress, checkpoint
             now = time.perf_counter()
-            metrics.update(self._perf(rollouts, t_step, t_prep, t_train, t_pub, now))
-            metrics["train/lr"] = self.scheduler.get_last_lr()[0]
-            metrics["train/actor_updated"] = float(train_actor)
+            tokens = float(mask.sum()) * self.world_size
+            metrics |= {
+                "perf/step_s": now - t_step,
+                "perf/rewards_and_wait_s": t_prep - t_step,
+                "perf/prepare_s": t_train - t_prep,
+                "perf/train_s": t_pub - t_train,
+                "perf/publish_s": now - t_pub,
+                "perf/tokens_per_s": tokens / max(now - t_step, 1e-9),
+                "train/lr": self.scheduler.get_last_lr()[0],
+                "train/actor_updated": float(train_actor),
+            }
             metrics = self._reduce_over_ranks(metrics)
             if (step + 1) % cfg.log_every_n_steps == 0 or step + 1 == self.total_steps:
                 self.logger.log(metrics, step=step)
@@ -414,15 +413,9 @@ class AsyncPPORecipe:
             if cfg.checkpoint.export_hf:
                 print(f"HF export of the actor: {(Path(cfg.output_dir) / 'hf_export').resolve()}")
 
-    def _logprobs_and_entropy(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs_and_entropy(
-            model,
-            batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            temperature=self.temperature,
-            start=batch.prompt_len,
-        )
+    def _logprobs_fn(self, model):
+        """No-grad response logprobs of ``model`` at the sampling temperature, per batch."""
+        return lambda b: response_logprobs(model, b, temperature=self.temperature)
 
     def _scored(self, fn, batch) -> torch.Tensor:
         """fn over row chunks of ``ppo.score_micro_batch_size`` (null: the whole batch at once);
@@ -436,117 +429,129 @@ class AsyncPPORecipe:
         ).float()
 
     def _ppo_updates(
-        self,
-        step,
-        batch,
-        corr,
-        advantages,
-        returns,
-        old_values,
-        ref_logprobs,
-        train_actor,
-        inject_nan,
+        self, step, batch, corr, advantages, returns, old_values, ref_logprobs, train_actor
     ) -> dict[str, float]:
-        cfg, ppo = self.cfg, self.cfg.ppo
-        W = self.world_size  # FSDP averages gradients over ranks; the losses are sums: × W
+        """Step 4. A micro-batch's loss is its share of the minibatch loss over all ranks (global
+        token/sequence counts): shares add up over micro-batches by gradient accumulation and
+        over ranks by FSDP's gradient sum. Statistics stay on the device until ``result()``; the
+        only other host syncs are the finite checks, one per optimizer step."""
+        ppo = self.cfg.ppo
         stats = MetricAverager()  # per-token stats weigh by tokens, minibatch values by 1
-        add = stats.add
-
         # A seeded generator per (step, rank): the minibatch order is independent of the global
         # RNG state, so a resumed run shuffles exactly like an uninterrupted one.
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + self.rank)
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 1009 + self.rank)
         for _epoch in range(ppo.epochs):
-            perm = torch.randperm(batch.batch_size, generator=gen)
-            for rows in perm.chunk(ppo.minibatches):
-                # no zero_grad here: every minibatch ends with one (below, also after a skipped
-                # step), and nothing between minibatches runs a backward
-                n = global_counts(batch.response_mask[rows])
-                agg = dict(agg_mode=ppo.loss_agg_mode, global_tokens=n.tokens, global_seqs=n.seqs)
-                loss_sum = vloss_sum = 0.0
-                # each micro-batch's loss is its share of the minibatch loss (global counts):
-                # shares add up, and × W their mean over ranks is the sum over ranks
-                shares: dict[str, float] = defaultdict(float)
+            for rows in torch.randperm(batch.batch_size, generator=gen).chunk(ppo.minibatches):
+                counts = global_counts(batch.response_mask[rows])
+                shares: dict[str, torch.Tensor] = {}  # this rank's loss shares of the minibatch
                 for micro in rows.split(ppo.micro_batch_size):
                     mb = batch.select(micro)
-                    m = mb.response_mask
-                    tokens = float(m.sum())
                     if train_actor:
-                        logp, entropy = self._logprobs_and_entropy(self.actor, mb)
-                        c = corr.minibatch(micro.to(self.device), logp)
-                        loss, st = policy_loss(
-                            logp,
-                            c.anchor_logprobs,
-                            advantages[micro],
-                            m,
-                            eps_low=ppo.clip_low,
-                            eps_high=ppo.clip_high,
-                            dual_clip=ppo.dual_clip,
-                            weights=c.weights,
-                            keep_mask=c.keep_mask,
-                            **agg,
-                        )
-                        if self.use_ref and cfg.kl.mode == "loss":
-                            kl, kst = kl_loss(logp, ref_logprobs[micro], m, cfg.kl.estimator, **agg)
-                            loss = loss + cfg.kl.coef * kl
-                            shares["train/kl_loss"] += kst.pop("train/kl_loss")
-                            add(kst, tokens)
-                        if inject_nan:
-                            loss = loss * float("nan")
-                        (loss * W).backward()
-                        loss_sum += float(loss.detach())
-                        shares["train/policy_loss"] += st.pop("train/policy_loss")
-                        st["train/entropy"] = float(masked_mean(entropy.detach(), m))
-                        add(st, tokens)
+                        ref = None if ref_logprobs is None else ref_logprobs[micro]
+                        out = self._actor_backward(mb, micro, corr, advantages[micro], ref, counts)
+                        self._add_shares(shares, out, stats, mb)
                     if self.use_critic:
-                        v, _ = split_critic_values(self._values(mb), m)
-                        vloss, vst = value_loss(
-                            v,
-                            old_values[micro],
-                            returns[micro],
-                            m,
-                            clip_range=ppo.value_clip,
-                            **agg,
-                        )
-                        (vloss * W).backward()
-                        vloss_sum += float(vloss.detach())
-                        shares["train/value_loss"] += vst.pop("train/value_loss")
-                        add(vst, tokens)
+                        out = self._critic_backward(mb, old_values[micro], returns[micro], counts)
+                        self._add_shares(shares, out, stats, mb)
                 if train_actor:
-                    norm = clip_grad_norm_(self.actor.parameters(), ppo.max_grad_norm)
-                    if self.actor_guard.check(loss_sum, norm, step=step):
-                        self.optimizer.step()
-                        self.correction.after_optimizer_step(self.actor)
-                    self.optimizer.zero_grad(set_to_none=True)
-                    add({"train/grad_norm": float(norm), "train/loss": loss_sum * W})
+                    norm = self._clip_and_step("actor", shares["train/loss"], step)
+                    stats.add({"train/grad_norm": norm})
                 if self.use_critic:
-                    norm = clip_grad_norm_(self.critic.parameters(), ppo.max_grad_norm)
-                    if self.critic_guard.check(vloss_sum, norm, step=step):
-                        self.critic_optimizer.step()
-                    self.critic_optimizer.zero_grad(set_to_none=True)
-                    add({"train/critic_grad_norm": float(norm)})
-                add({k: v * W for k, v in shares.items()})
+                    norm = self._clip_and_step("critic", shares["train/value_loss"], step)
+                    stats.add({"train/critic_grad_norm": norm})
+                stats.add(shares)
         out = stats.result()
         skipped = self.actor_guard.skipped_total + self.critic_guard.skipped_total
         out["train/nonfinite_skipped_total"] = float(skipped)
         return out
 
-    def _perf(self, rollouts, t_step, t_prep, t_train, t_pub, now) -> dict[str, float]:
-        tokens = float(rollouts.batch.response_mask.sum()) * self.world_size
-        return {
-            "perf/step_s": now - t_step,
-            "perf/rewards_and_wait_s": t_prep - t_step,
-            "perf/prepare_s": t_train - t_prep,
-            "perf/train_s": t_pub - t_train,
-            "perf/publish_s": now - t_pub,
-            "perf/tokens_per_s": tokens / max(now - t_step, 1e-9),
-        }
+    def _actor_backward(self, mb, rows, corr, advantages, ref_logprobs, counts):
+        """Backward of one micro-batch's policy loss (+ β·KL with ``kl.mode: loss``); returns
+        (its loss shares, its per-token statistics)."""
+        ppo, kl_cfg, m = self.cfg.ppo, self.cfg.kl, mb.response_mask
+        agg = dict(agg_mode=ppo.loss_agg_mode, global_tokens=counts.tokens, global_seqs=counts.seqs)
+        logp, entropy = token_logprobs_and_entropy(
+            self.actor,
+            mb.input_ids,
+            attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids,
+            temperature=self.temperature,
+            start=mb.prompt_len,
+        )
+        c = corr.minibatch(rows.to(self.device), logp)  # anchors, IS weights, keep-mask
+        loss, st = policy_loss(
+            logp,
+            c.anchor_logprobs,
+            advantages,
+            m,
+            eps_low=ppo.clip_low,
+            eps_high=ppo.clip_high,
+            dual_clip=ppo.dual_clip,
+            weights=c.weights,
+            keep_mask=c.keep_mask,
+            **agg,
+        )
+        per_token = as_metrics(st)
+        shares = {"train/policy_loss": per_token.pop("train/policy_loss")}
+        per_token["train/entropy"] = masked_mean(entropy.detach(), m)
+        if self.use_ref and kl_cfg.mode == "loss":
+            kl, kst = kl_loss(logp, ref_logprobs, m, kl_cfg.estimator, **agg)
+            loss = loss + kl_cfg.coef * kl
+            shares["train/kl_loss"] = kst.kl_loss
+            per_token["train/kl_mean"] = kst.kl_mean
+        loss.backward()
+        shares["train/loss"] = loss.detach()
+        return shares, per_token
+
+    def _critic_backward(self, mb, old_values, returns, counts):
+        """Backward of one micro-batch's clipped value loss; returns (shares, statistics)."""
+        ppo = self.cfg.ppo
+        v, _ = split_critic_values(self._values(mb), mb.response_mask)
+        vloss, st = value_loss(
+            v,
+            old_values,
+            returns,
+            mb.response_mask,
+            clip_range=ppo.value_clip,
+            agg_mode=ppo.loss_agg_mode,
+            global_tokens=counts.tokens,
+            global_seqs=counts.seqs,
+        )
+        vloss.backward()
+        per_token = as_metrics(st)
+        return {"train/value_loss": per_token.pop("train/value_loss")}, per_token
+
+    @staticmethod
+    def _add_shares(shares, out, stats, mb) -> None:
+        """Sum a micro-batch's loss shares; token-weight its per-token statistics."""
+        mb_shares, per_token = out
+        for k, v in mb_shares.items():
+            shares[k] = shares.get(k, 0.0) + v
+        stats.add(per_token, mb.response_mask.sum())
+
+    def _clip_and_step(self, which: str, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """Clip the gradient norm and take the optimizer step unless the loss or the norm is not
+        finite (the guard skips it, and stops the run after too many in a row)."""
+        model, optimizer, guard = (
+            (self.actor, self.optimizer, self.actor_guard)
+            if which == "actor"
+            else (self.critic, self.critic_optimizer, self.critic_guard)
+        )
+        norm = clip_grad_norm_(model.parameters(), self.cfg.ppo.max_grad_norm)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: replicated
+        if guard.check(loss, norm, step=step):
+            optimizer.step()
+            if which == "actor":
+                self.correction.after_optimizer_step(self.actor)  # EWMA's θ̄ update
+        optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def _reduce_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         if not self.dist.distributed:
             return metrics
         gathered: list[dict[str, float]] = [{} for _ in range(self.world_size)]
         dist.all_gather_object(gathered, metrics)
-        return reduce_over_ranks(gathered)
+        return reduce_over_ranks(gathered, summed=LOSS_SHARES)
 
     # ------------------------------------------------------------------------------ checkpoints
     def _models(self) -> dict:
@@ -554,42 +559,18 @@ class AsyncPPORecipe:
         return {"actor": (self.actor, self.optimizer), **critic}
 
     def save_checkpoint(self, step: int) -> None:
-        """Atomic DCP checkpoint of everything a resumed run needs to continue exactly.
-
-        The next step's batch is (being) generated with weights older than the saved ones, which
-        a resumed run could not rebuild: it is taken from the queue now and stored, so the resumed
-        run trains on the very same tokens and its queue continues with the step after it.
-        """
-        self._batch_ahead = self.queue.get_batch(step)
-        extra = {
-            "step": step,
-            "rng": capture_rng_state(),
-            "queue": self.queue.state_dict(),
-            "batch_ahead": self._batch_ahead,
-            "correction": self.correction.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "critic_scheduler": self.critic_scheduler and self.critic_scheduler.state_dict(),
-            "guards": [self.actor_guard.state_dict(), self.critic_guard.state_dict()],
-        }
-        self.ckpt_path = self.checkpointer.save(step, models=self._models(), extra=extra)
+        """Atomic DCP checkpoint of the models and every Stateful in ``self.states``, from which
+        a run resumes exactly (the queue saves the batch it generated ahead itself)."""
+        self.ckpt_path = self.checkpointer.save(step, models=self._models(), states=self.states)
 
     def _load_checkpoint(self, path: Path) -> None:
-        extra, meta = self.checkpointer.load(path, models=self._models())
+        meta = self.checkpointer.load(path, models=self._models(), states=self.states)
         self.start_step = int(meta["step"])
         if self.start_step >= self.total_steps:
             raise ValueError(
                 f"checkpoint {path} is at step {self.start_step}, but total_steps is "
                 f"{self.total_steps}; raise total_steps to continue training"
             )
-        restore_rng_state(extra["rng"])
-        self.queue.load_state_dict(extra["queue"])
-        self._batch_ahead = extra["batch_ahead"]
-        self.correction.load_state_dict(extra["correction"])
-        self.scheduler.load_state_dict(extra["scheduler"])
-        if self.critic_scheduler is not None:
-            self.critic_scheduler.load_state_dict(extra["critic_scheduler"])
-        self.actor_guard.load_state_dict(extra["guards"][0])
-        self.critic_guard.load_state_dict(extra["guards"][1])
         self.ckpt_path = path
         if self.is_main:
             print(f"resumed from {path} at step {self.start_step}")
@@ -605,10 +586,14 @@ class AsyncPPORecipe:
                     shutil.copy(Path(src) / name, path / name)
 
     def cleanup(self) -> None:
-        for close in ("progress", "queue", "engine", "logger"):
-            obj = getattr(self, close, None)
-            if obj is not None:
-                (obj.shutdown if close == "engine" else obj.close)()
+        if self.progress is not None:
+            self.progress.close()
+        if self.queue is not None:
+            self.queue.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.logger is not None:
+            self.logger.close()
         if self.dist.distributed:
             destroy_distributed()
 

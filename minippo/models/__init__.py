@@ -12,6 +12,8 @@ Public names:
     HF folders: from_pretrained(path, dtype, device) -> Transformer; save_pretrained(model, path, *,
         max_shard_bytes); save_pretrained_state_dict(native_sd, args, path); load_hf_state_dict;
         value_model_from_pretrained; model_args_from_hf_config(dict); hf_config_from_model_args;
+        model_args_from_pretrained(path); load_pretrained_weights(model, path) (into a built,
+        possibly sharded model, one tensor at a time); iter_hf_tensors(path);
         hf_name(native) / native_name(hf)
     Tokenizer (Protocol: encode, decode, apply_chat_template, eos_id, eos_ids, pad_id, bos_id,
         vocab_size); TinyTokenizer() built-in char tokenizer; load_tokenizer(path) -> HFTokenizer
@@ -21,8 +23,11 @@ from minippo.models.checkpoint import (
     from_pretrained,
     hf_config_from_model_args,
     hf_name,
+    iter_hf_tensors,
     load_hf_state_dict,
+    load_pretrained_weights,
     model_args_from_hf_config,
+    model_args_from_pretrained,
     native_name,
     save_pretrained,
     save_pretrained_state_dict,
@@ -68,10 +73,13 @@ __all__ = [
     "hf_config_from_model_args",
     "hf_name",
     "init_weights",
+    "iter_hf_tensors",
     "llama3_2_1b",
     "load_hf_state_dict",
+    "load_pretrained_weights",
     "load_tokenizer",
     "model_args_from_hf_config",
+    "model_args_from_pretrained",
     "native_name",
     "qwen2_5_0_5b",
     "qwen3_0_6b",

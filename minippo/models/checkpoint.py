@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -263,28 +263,28 @@ def _expected_shapes(args: ModelArgs, critic: bool) -> dict[str, torch.Size]:
     return {k: v.shape for k, v in sd.items()}
 
 
-def load_hf_state_dict(
-    path: str | Path,
-    *,
-    dtype: torch.dtype | None = torch.float32,
-    device: torch.device | str = "cpu",
-    critic: bool = False,
-) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """Read an HF folder into ``(args, {native_name: tensor})``, every name and shape checked.
+def model_args_from_pretrained(path: str | Path) -> ModelArgs:
+    """The :class:`ModelArgs` of an HF folder, from its config.json alone (no weights are read)."""
+    return model_args_from_hf_config(_read_config(Path(path)))
 
-    dtype None keeps the stored dtype. The tied lm_head is not in the returned dict. With
-    ``critic=True`` the lm_head is not required either (a critic initialised from an actor).
-    """
+
+def iter_hf_tensors(
+    path: str | Path, *, critic: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(native_name, tensor)`` of an HF folder, one tensor at a time in the stored dtype, every
+    name and shape checked against config.json (unexpected names fail before the first tensor is
+    read; missing ones after the last). The tied lm_head is skipped; with ``critic=True`` the
+    lm_head is not required either (a critic initialised from an actor)."""
     from safetensors import safe_open
 
     folder = Path(path)
-    args = model_args_from_hf_config(_read_config(folder))
+    args = model_args_from_pretrained(folder)
     expected = _expected_shapes(args, critic)
     ignore_lm_head = critic or args.tie_word_embeddings
-    sd: dict[str, torch.Tensor] = {}
+    plan: list[tuple[Path, str, str]] = []  # (file, hf key, native name)
     unexpected: list[str] = []
     for file in _safetensors_files(folder):
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if key.endswith("rotary_emb.inv_freq") or (
                     ignore_lm_head and key == "lm_head.weight"
@@ -298,25 +298,76 @@ def load_hf_state_dict(
                 if name not in expected:
                     unexpected.append(key)
                     continue
-                t = f.get_tensor(key)
-                if t.shape != expected[name]:
-                    raise ValueError(
-                        f"shape mismatch for {key!r} in {file.name}: checkpoint has "
-                        f"{tuple(t.shape)}, config.json implies {tuple(expected[name])}"
-                    )
-                sd[name] = t.to(dtype) if dtype is not None else t
+                plan.append((file, key, name))
     if unexpected:
         raise ValueError(
             f"unexpected tensors in {str(folder)!r} for {args.architecture}: "
             f"{sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )
-    missing = [hf_name(k) for k in expected if k not in sd]
+    missing = [hf_name(k) for k in expected if k not in {name for _, _, name in plan}]
     if missing:
         raise ValueError(
             f"missing tensors in {str(folder)!r} for {args.architecture}: "
             f"{missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)"
         )
+    for file, key, name in plan:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            t = f.get_tensor(key)
+        if t.shape != expected[name]:
+            raise ValueError(
+                f"shape mismatch for {key!r} in {file.name}: checkpoint has "
+                f"{tuple(t.shape)}, config.json implies {tuple(expected[name])}"
+            )
+        yield name, t
+
+
+def load_hf_state_dict(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = torch.float32,
+    device: torch.device | str = "cpu",
+    critic: bool = False,
+) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Read an HF folder into ``(args, {native_name: tensor})``, every name and shape checked.
+
+    dtype None keeps the stored dtype. The tied lm_head is not in the returned dict. With
+    ``critic=True`` the lm_head is not required either (a critic initialised from an actor).
+    """
+    args = model_args_from_pretrained(path)
+    sd = {
+        name: t.to(device=device, dtype=dtype or t.dtype)
+        for name, t in iter_hf_tensors(path, critic=critic)
+    }
     return args, sd
+
+
+@torch.no_grad()
+def load_pretrained_weights(model: nn.Module, path: str | Path) -> nn.Module:
+    """Copy an HF folder's weights into a built model in place; returns ``model``.
+
+    The model is a :class:`Transformer` or a :class:`ValueModel` (whose ``value_head`` is set to
+    0, so a new critic starts predicting 0), materialised (``to_empty``) and possibly FSDP2-sharded.
+    Tensors are read one at a time: a sharded parameter keeps only this rank's shard of each, so
+    no rank ever holds more than its shards plus one full tensor (no full model on the host).
+    """
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
+    critic = "value_head.weight" in params
+    for name, t in iter_hf_tensors(path, critic=critic):
+        _copy_full_into(params[name], t)
+    if critic:
+        params["value_head.weight"].zero_()
+        params["value_head.bias"].zero_()
+    return model
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """``param.copy_(full)`` where ``param`` may be a DTensor shard (each rank keeps its part)."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = full.to(device=param.device_mesh.device_type, dtype=param.dtype)
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(full)
 
 
 def from_pretrained(

@@ -40,6 +40,7 @@ def shard_model(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
+    sum_gradients: bool = False,
 ) -> nn.Module:
     """Apply FSDP2 ``fully_shard`` to every decoder block, then to the root; returns ``model``.
 
@@ -48,6 +49,9 @@ def shard_model(
     final norm and the head (tied weights stay one parameter). ``param_dtype`` is the compute
     dtype of the all-gathered parameters (None: the stored dtype); ``reduce_dtype`` the dtype of
     the gradient reduce-scatter. ``mesh`` None uses all ranks of the default process group.
+    ``sum_gradients``: reduce gradients by their sum over ranks instead of FSDP's default mean
+    (gradient divide factor 1), for losses that are already each rank's share of a global loss
+    (the recipe's: see ``minippo.rl.aggregation``), so no loss needs a world-size multiplier.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -60,6 +64,11 @@ def shard_model(
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if sum_gradients:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):  # a plain SUM (PREMUL_SUM does not exist on gloo)
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
     return model
 
 

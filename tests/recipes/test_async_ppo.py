@@ -54,15 +54,36 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-def run_recipes(runs: list[list[str]], timeout: float = 300) -> list[str | None]:
+def run_recipes(
+    runs: list[list[str]], timeout: float = 300, nan_loss_at_steps: tuple[int, ...] = ()
+) -> list[str | None]:
     """Run ``recipe_main(load_config("tiny_cpu", overrides))`` for each override list, in order,
-    in one subprocess; returns None per successful run, else the error's text."""
+    in one subprocess; returns None per successful run, else the error's text.
+
+    ``nan_loss_at_steps``: the recipe's policy loss is made NaN at these training steps (by
+    patching the recipe's ``policy_loss``), to exercise the non-finite guard."""
     code = textwrap.dedent(
         """
         import json, runpy, sys, traceback
         from minippo.config import load_config
         if __name__ == "__main__":
             main = runpy.run_path(sys.argv[1])["recipe_main"]
+            nan_steps = json.loads(sys.argv[3])
+            if nan_steps:
+                recipe_globals = main.__globals__  # the namespace the recipe's methods read
+                real_loss = recipe_globals["policy_loss"]
+                recipe_cls = recipe_globals["AsyncPPORecipe"]
+                real_updates = recipe_cls._ppo_updates
+
+                def nan_loss(*args, **kwargs):
+                    loss, stats = real_loss(*args, **kwargs)
+                    return loss * float("nan"), stats
+
+                def updates(self, step, *args, **kwargs):
+                    recipe_globals["policy_loss"] = nan_loss if step in nan_steps else real_loss
+                    return real_updates(self, step, *args, **kwargs)
+
+                recipe_cls._ppo_updates = updates
             results = []
             for overrides in json.loads(sys.argv[2]):
                 try:
@@ -74,7 +95,14 @@ def run_recipes(runs: list[list[str]], timeout: float = 300) -> list[str | None]
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(REPO / "recipes" / "async_ppo.py"), json.dumps(runs)],
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(REPO / "recipes" / "async_ppo.py"),
+            json.dumps(runs),
+            json.dumps(list(nan_loss_at_steps)),
+        ],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -232,7 +260,7 @@ def test_bad_configs_fail_before_anything_is_built(tmp_path):
     cases = {
         "ppo.minibatches=3": "must be divisible by ppo.minibatches (3); pick ppo.minibatches among",
         "ppo.micro_batch_size=7": "divisible by ppo.micro_batch_size (7)",
-        "advantage_estimator=vtrace": "advantage_estimator must be 'gae' or 'grpo', got 'vtrace'",
+        "advantage_estimator=vtrace": "must be one of ['gae', 'grpo'], got 'vtrace'",
         "kl.mode=both": "kl.mode ('both') 'reward' or 'loss'",
         "critic.warmup_steps=99": "critic.warmup_steps (99) must be in [0, total_steps (60))",
         "ppo.score_micro_batch_size=0": "ppo.score_micro_batch_size must be >= 1 or null, got 0",
@@ -260,14 +288,10 @@ def test_nan_loss_is_skipped_then_repeated_nans_stop_the_run(tmp_path):
     common = [*FAST, "total_steps=3", "checkpoint.every_n_steps=1", "checkpoint.keep_last=null"]
     results = run_recipes(
         [
-            [*common, f"output_dir={skip}", "debug.nan_loss_at_steps=[1]"],
-            [
-                *common,
-                f"output_dir={stop}",
-                "debug.nan_loss_at_steps=[1]",
-                "max_consecutive_nonfinite=2",
-            ],
-        ]
+            [*common, f"output_dir={skip}"],
+            [*common, f"output_dir={stop}", "max_consecutive_nonfinite=2"],
+        ],
+        nan_loss_at_steps=(1,),
     )
     assert results[0] is None, results[0]
     rows = read_jsonl(skip / "metrics.jsonl")

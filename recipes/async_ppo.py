@@ -10,59 +10,22 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grad_norm_
 
+from minippo import models, parallel, rl
 from minippo.config import canonical_dtype, instantiate, torch_dtype
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
-from minippo.models import (
-    TOKENIZER_FILES,
-    Transformer,
-    ValueModel,
-    init_weights,
-    load_pretrained_weights,
-    model_args_from_pretrained,
-    response_logprobs,
-    save_pretrained_state_dict,
-    token_logprobs_and_entropy,
-)
-from minippo.parallel import (
-    apply_activation_checkpointing,
-    destroy_distributed,
-    full_tensor_buckets,
-    gather_full_state_dict,
-    init_distributed,
-    shard_model,
-)
-from minippo.rl import (
-    ADVANTAGE_ESTIMATORS,
-    as_metrics,
-    explained_variance,
-    gae,
-    global_counts,
-    group_advantages,
-    kl_loss,
-    kl_penalty,
-    masked_mean,
-    masked_sum,
-    masked_whiten,
-    needs_critic,
-    place_sequence_rewards,
-    policy_loss,
-    split_critic_values,
-    value_loss,
-)
 from minippo.rl.correction import validate_async_off_policy_correction
 from minippo.training.checkpoint import Checkpointer, RNGState
-from minippo.training.metrics import MetricAverager, NoOpLogger, reduce_over_ranks
+from minippo.training.metrics import MetricAverager, NoOpLogger, gather_and_reduce
 from minippo.training.nan_guard import NonFiniteGuard
 from minippo.training.optimizers import build_optimizer
 from minippo.training.progress import ProgressBar
@@ -77,9 +40,9 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
     """Every shape and option check that needs no model, with the values and the fix."""
     r, ppo = cfg.rollout, cfg.ppo
     est = cfg.advantage_estimator
-    if est not in ADVANTAGE_ESTIMATORS:
+    if est not in rl.ADVANTAGE_ESTIMATORS:
         raise ValueError(
-            f"advantage_estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {est!r}"
+            f"advantage_estimator must be one of {sorted(rl.ADVANTAGE_ESTIMATORS)}, got {est!r}"
         )
     if cfg.total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {cfg.total_steps}")
@@ -117,7 +80,7 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
             "kl.estimator=k1 with kl.mode=loss has zero expected gradient (E_π[∇log π] = 0); "
             "set kl.estimator=k2 (gradient of KL(π‖π_ref)) or k3 (gradient of KL(π_ref‖π))"
         )
-    if needs_critic(est) and not 0 <= cfg.critic.warmup_steps < cfg.total_steps:
+    if rl.needs_critic(est) and not 0 <= cfg.critic.warmup_steps < cfg.total_steps:
         raise ValueError(
             f"critic.warmup_steps ({cfg.critic.warmup_steps}) must be in [0, total_steps "
             f"({cfg.total_steps}))"
@@ -158,17 +121,13 @@ class AsyncPPORecipe:
     6. log (jsonl by default, tqdm bar) and, every ``checkpoint.every_n_steps``, an atomic DCP
        checkpoint that a run resumes exactly from (``resume_from: latest``).
 
-    KL to a frozen reference, two ways (``kl.mode``): ``reward`` subtracts β·KL per token from the
-    reward (classic RLHF PPO: the penalty flows through GAE and the critic must predict it;
-    estimated under the sampling policy μ, no gradient), ``loss`` adds β·KL to the policy loss
-    (GRPO-style: no critic involvement, but it fights the clip; its gradient is that of
-    KL(π_θ‖π_ref) with ``k2`` and of KL(π_ref‖π_θ) with ``k3``; ``k1`` is refused).
-
-    Parallelism: under torchrun (``minippo run --nproc-per-node N``) actor, critic and reference
-    are built on the meta device, FSDP2-sharded over all ranks, then filled (each rank reads only
-    its shards); each rank drives its own engine with its share (``groups_per_batch / N``) of
-    the prompts. A plain single process uses unsharded modules. Losses are each rank's share of
-    the global loss (global token counts) and FSDP sums gradients over ranks.
+    KL to a frozen reference (``kl.mode``): ``reward`` subtracts β·KL per token from the reward
+    (classic RLHF PPO, estimated under μ), ``loss`` adds β·KL to the policy loss (GRPO-style;
+    ``k2``/``k3`` only, docs/recipe.md).
+    Parallelism: under torchrun (``minippo run --nproc-per-node N``) the models are built on the
+    meta device, FSDP2-sharded over all ranks and filled shard by shard; each rank drives its own
+    engine with ``groups_per_batch / N`` prompts. A single process trains unsharded. Losses are
+    each rank's share of the global loss (global token counts); FSDP sums the gradients.
     Papers: PPO (Schulman et al. 2017), GAE (Schulman et al. 2016), GRPO (Shao et al. 2024),
     PPO-EWMA (Hilton et al. 2021), decoupled PPO (Fu et al. 2025), TIS (Yao et al. 2025).
     """
@@ -179,7 +138,7 @@ class AsyncPPORecipe:
         validate_async_off_policy_correction(cfg)
         validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), "RANK" in os.environ)
         self.cfg = cfg
-        self.dist = init_distributed()
+        self.dist = parallel.init_distributed()
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.device = self.dist.device
         self.is_main = self.dist.is_main
@@ -193,7 +152,7 @@ class AsyncPPORecipe:
         self.total_steps = int(cfg.total_steps)
         self.start_step = 0
         self.temperature = float(cfg.rollout.temperature) or 1.0  # greedy scores at T = 1
-        self.use_critic = needs_critic(cfg.advantage_estimator)
+        self.use_critic = rl.needs_critic(cfg.advantage_estimator)
         self.use_ref = cfg.kl.coef > 0
         self.ckpt_path: Path | None = None
         self.progress = self.queue = self.engine = self.logger = None  # built by setup
@@ -207,8 +166,7 @@ class AsyncPPORecipe:
         # Models: built on the meta device, sharded (under torchrun), then filled with the
         # checkpoint's or a seeded random init's weights. The engine is built from the model
         # config and receives its weights through the first publish.
-        args = model_args_from_pretrained(cfg.checkpoint_path) if cfg.checkpoint_path else None
-        args = args or instantiate(cfg.model)
+        args = self._model_args(cfg.checkpoint_path)
         if args.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(
                 f"the model's vocab_size ({args.vocab_size}) is smaller than the tokenizer's "
@@ -219,8 +177,9 @@ class AsyncPPORecipe:
         self.critic = None
         if self.use_critic:
             path = cfg.critic.checkpoint_path
-            critic_args = model_args_from_pretrained(path) if path else args
-            self.critic = self._build_model(critic_args, path, seed=cfg.seed + 1, critic=True)
+            self.critic = self._build_model(
+                self._model_args(path), path, seed=cfg.seed + 1, critic=True
+            )
         self.ref = None  # frozen: no activation checkpointing, no gradients
         if self.use_ref:
             self.ref = self._build_model(args, cfg.checkpoint_path, seed=cfg.seed, trainable=False)
@@ -236,7 +195,7 @@ class AsyncPPORecipe:
             temperature=self.temperature,
             max_staleness=cfg.rollout.max_staleness,
             updates_per_step=cfg.ppo.epochs * cfg.ppo.minibatches,
-            score_fn=lambda model, b: self._scored(self._logprobs_fn(model), b),
+            score_fn=lambda model, b: self._scored(partial(self._logprobs, model), b),
         )
         self.actor_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
         self.critic_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
@@ -291,20 +250,26 @@ class AsyncPPORecipe:
         """Meta-device build → activation checkpointing → FSDP2 shards → weights (an HF folder,
         read one tensor at a time, or a seeded init that equals an unsharded one)."""
         with torch.device("meta"):
-            model = ValueModel(args) if critic else Transformer(args)
+            model = models.ValueModel(args) if critic else models.Transformer(args)
         model.requires_grad_(trainable)
         if trainable and self.cfg.activation_checkpointing:  # recompute each block in backward
-            apply_activation_checkpointing(model)
+            parallel.apply_activation_checkpointing(model)
         if self.dist.distributed:  # a plain single process trains unsharded, in fp32
             dtype = torch_dtype(self.cfg.dtype, "dtype")
-            shard_model(model, param_dtype=dtype, sum_gradients=True)
+            parallel.shard_model(model, param_dtype=dtype, sum_gradients=True)
         model.to_empty(device=self.device)
-        return load_pretrained_weights(model, path) if path else init_weights(model, seed=seed)
+        if path:
+            return models.load_pretrained_weights(model, path)
+        return models.init_weights(model, seed=seed)
+
+    def _model_args(self, path):
+        """The architecture: an HF folder's config.json, or the ``model`` size builder."""
+        return models.model_args_from_pretrained(path) if path else instantiate(self.cfg.model)
 
     def _publish(self, version: int) -> None:
         """Step 5: full weights bucket by bucket into this rank's engine, in the engine's dtype;
         snapshot for the correction. Collective under FSDP (every rank gathers every tensor)."""
-        buckets = full_tensor_buckets(
+        buckets = parallel.full_tensor_buckets(
             self.actor,
             bucket_bytes=int(self.cfg.publish_bucket_mb * 2**20),
             dtype=self.engine.dtype,
@@ -317,36 +282,34 @@ class AsyncPPORecipe:
         cfg = self.cfg
         for step in range(self.start_step, self.total_steps):
             t_step = time.perf_counter()
-            # step 0. the batch of this step (generated in the background)
+            # steps 0-1. the batch of this step, generated and scored (rewards) in the background
             rollouts = self.queue.get_batch(step)
             batch = rollouts.batch.to(self.device)
-            mask = batch.response_mask
-            metrics = dict(rollouts.metrics)
-
-            # step 1. rewards (scored by the queue's thread)
-            rewards = batch.rewards
+            mask, rewards, metrics = batch.response_mask, batch.rewards, dict(rollouts.metrics)
 
             # step 2. no-grad passes: reference logprobs, critic values, correction anchors
             t_prep = time.perf_counter()
             with torch.no_grad():
                 ref_logprobs = values = bootstrap = None
                 if self.use_ref:
-                    ref_logprobs = self._scored(self._logprobs_fn(self.ref), batch)
+                    ref_logprobs = self._scored(partial(self._logprobs, self.ref), batch)
                 if self.use_critic:
-                    values, bootstrap = split_critic_values(self._scored(self._values, batch), mask)
+                    values, bootstrap = rl.split_critic_values(
+                        self._scored(self._values, batch), mask
+                    )
                 corr = self.correction.prepare(batch, self.actor, step=step)
 
             # step 3. advantages (KL as a reward penalty is estimated under the sampling policy μ)
             kl_tok = None
             if self.use_ref:
-                kl_tok = kl_penalty(batch.rollout_logprobs, ref_logprobs, mask, cfg.kl.estimator)
-                metrics["train/kl_ref_mean"] = float(masked_mean(kl_tok, mask))
+                kl_tok = rl.kl_penalty(batch.rollout_logprobs, ref_logprobs, mask, cfg.kl.estimator)
+                metrics["train/kl_ref_mean"] = float(rl.masked_mean(kl_tok, mask))
             beta = cfg.kl.coef if (self.use_ref and cfg.kl.mode == "reward") else 0.0
             if self.use_critic:
-                token_rewards = place_sequence_rewards(rewards, mask)  # r on the last token
+                token_rewards = rl.place_sequence_rewards(rewards, mask)  # r on the last token
                 if beta:
                     token_rewards = token_rewards - beta * kl_tok  # r_t − β·KL_t
-                advantages, returns = gae(
+                advantages, returns = rl.gae(
                     values,
                     token_rewards,
                     mask,
@@ -356,25 +319,23 @@ class AsyncPPORecipe:
                     bootstrap_values=bootstrap,
                     bootstrap_truncated=cfg.gae.bootstrap_truncated,
                 )
-                metrics["train/explained_variance"] = explained_variance(values, returns, mask)
+                metrics["train/explained_variance"] = rl.explained_variance(values, returns, mask)
             else:
-                seq_rewards = rewards - beta * masked_sum(kl_tok, mask, dim=1) if beta else rewards
-                advantages = group_advantages(
+                seq_rewards = (
+                    rewards - beta * rl.masked_sum(kl_tok, mask, dim=1) if beta else rewards
+                )
+                advantages = rl.group_advantages(
                     seq_rewards, batch.group_ids, mask, normalize_std=cfg.grpo.normalize_std
                 )
                 returns = None
             if cfg.ppo.whiten_advantages:
-                advantages = masked_whiten(advantages, mask)  # statistics of all ranks
+                advantages = rl.masked_whiten(advantages, mask)  # statistics of all ranks
 
             # step 4. PPO epochs x minibatches, gradient accumulation over micro-batches
             t_train = time.perf_counter()
             train_actor = not (self.use_critic and step < cfg.critic.warmup_steps)
-            metrics.update(
-                self._ppo_updates(
-                    step, batch, corr, advantages, returns, values, ref_logprobs, train_actor
-                )
-            )
-            metrics.update(corr.metrics())
+            inputs = (batch, corr, advantages, returns, values, ref_logprobs, train_actor)
+            metrics |= self._ppo_updates(step, *inputs) | corr.metrics()
             if train_actor:  # the actor's schedule starts with its first update
                 self.scheduler.step()
             if self.critic_scheduler is not None:
@@ -397,7 +358,7 @@ class AsyncPPORecipe:
                 "train/lr": self.scheduler.get_last_lr()[0],
                 "train/actor_updated": float(train_actor),
             }
-            metrics = self._reduce_over_ranks(metrics)
+            metrics = gather_and_reduce(metrics, summed=LOSS_SHARES)  # rank 0 logs
             if (step + 1) % cfg.log_every_n_steps == 0 or step + 1 == self.total_steps:
                 self.logger.log(metrics, step=step)
             self.progress.update(metrics)
@@ -405,23 +366,22 @@ class AsyncPPORecipe:
             if (step + 1) % cfg.checkpoint.every_n_steps == 0 or last:
                 self.save_checkpoint(step + 1)
         self.progress.close()
+        export = Path(cfg.output_dir).resolve() / "hf_export"
         if cfg.checkpoint.export_hf:
-            self._export_hf(Path(cfg.output_dir) / "hf_export")
+            parallel.export_hf(self.actor, export, tokenizer_dir=cfg.checkpoint_path)
         if self.is_main:
             print(f"metrics: {Path(cfg.metric_logger.get('path', cfg.output_dir)).resolve()}")
             print(f"checkpoint: {self.ckpt_path.resolve() if self.ckpt_path else 'none saved'}")
-            if cfg.checkpoint.export_hf:
-                print(f"HF export of the actor: {(Path(cfg.output_dir) / 'hf_export').resolve()}")
-
-    def _logprobs_fn(self, model):
-        """No-grad response logprobs of ``model`` at the sampling temperature, per batch."""
-        return lambda b: response_logprobs(model, b, temperature=self.temperature)
+            print(f"HF export of the actor: {export if cfg.checkpoint.export_hf else 'none'}")
 
     def _scored(self, fn, batch) -> torch.Tensor:
         """fn over row chunks of ``ppo.score_micro_batch_size`` (null: the whole batch at once);
         every rank has the same number of rows, so FSDP's collective forwards line up."""
         n = self.cfg.ppo.score_micro_batch_size or batch.batch_size
         return torch.cat([fn(batch.select(slice(i, i + n))) for i in range(0, batch.batch_size, n)])
+
+    def _logprobs(self, model, batch) -> torch.Tensor:  # at the sampling temperature
+        return models.response_logprobs(model, batch, temperature=self.temperature)
 
     def _values(self, batch) -> torch.Tensor:
         return self.critic(
@@ -442,7 +402,7 @@ class AsyncPPORecipe:
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 1009 + self.rank)
         for _epoch in range(ppo.epochs):
             for rows in torch.randperm(batch.batch_size, generator=gen).chunk(ppo.minibatches):
-                counts = global_counts(batch.response_mask[rows])
+                counts = rl.global_counts(batch.response_mask[rows])
                 shares: dict[str, torch.Tensor] = {}  # this rank's loss shares of the minibatch
                 for micro in rows.split(ppo.micro_batch_size):
                     mb = batch.select(micro)
@@ -454,10 +414,18 @@ class AsyncPPORecipe:
                         out = self._critic_backward(mb, old_values[micro], returns[micro], counts)
                         self._add_shares(shares, out, stats, mb)
                 if train_actor:
-                    norm = self._clip_and_step("actor", shares["train/loss"], step)
+                    loss = shares["train/loss"]
+                    norm, stepped = self._clip_and_step(
+                        self.actor, self.optimizer, self.actor_guard, loss, step
+                    )
+                    if stepped:
+                        self.correction.after_optimizer_step(self.actor)  # EWMA's θ̄ update
                     stats.add({"train/grad_norm": norm})
                 if self.use_critic:
-                    norm = self._clip_and_step("critic", shares["train/value_loss"], step)
+                    loss = shares["train/value_loss"]
+                    norm, _ = self._clip_and_step(
+                        self.critic, self.critic_optimizer, self.critic_guard, loss, step
+                    )
                     stats.add({"train/critic_grad_norm": norm})
                 stats.add(shares)
         out = stats.result()
@@ -470,7 +438,7 @@ class AsyncPPORecipe:
         (its loss shares, its per-token statistics)."""
         ppo, kl_cfg, m = self.cfg.ppo, self.cfg.kl, mb.response_mask
         agg = dict(agg_mode=ppo.loss_agg_mode, global_tokens=counts.tokens, global_seqs=counts.seqs)
-        logp, entropy = token_logprobs_and_entropy(
+        logp, entropy = models.token_logprobs_and_entropy(
             self.actor,
             mb.input_ids,
             attention_mask=mb.attention_mask,
@@ -479,7 +447,7 @@ class AsyncPPORecipe:
             start=mb.prompt_len,
         )
         c = corr.minibatch(rows.to(self.device), logp)  # anchors, IS weights, keep-mask
-        loss, st = policy_loss(
+        loss, st = rl.policy_loss(
             logp,
             c.anchor_logprobs,
             advantages,
@@ -491,11 +459,11 @@ class AsyncPPORecipe:
             keep_mask=c.keep_mask,
             **agg,
         )
-        per_token = as_metrics(st)
+        per_token = rl.as_metrics(st)
         shares = {"train/policy_loss": per_token.pop("train/policy_loss")}
-        per_token["train/entropy"] = masked_mean(entropy.detach(), m)
+        per_token["train/entropy"] = rl.masked_mean(entropy.detach(), m)
         if self.use_ref and kl_cfg.mode == "loss":
-            kl, kst = kl_loss(logp, ref_logprobs, m, kl_cfg.estimator, **agg)
+            kl, kst = rl.kl_loss(logp, ref_logprobs, m, kl_cfg.estimator, **agg)
             loss = loss + kl_cfg.coef * kl
             shares["train/kl_loss"] = kst.kl_loss
             per_token["train/kl_mean"] = kst.kl_mean
@@ -506,8 +474,8 @@ class AsyncPPORecipe:
     def _critic_backward(self, mb, old_values, returns, counts):
         """Backward of one micro-batch's clipped value loss; returns (shares, statistics)."""
         ppo = self.cfg.ppo
-        v, _ = split_critic_values(self._values(mb), mb.response_mask)
-        vloss, st = value_loss(
+        v, _ = rl.split_critic_values(self._values(mb), mb.response_mask)
+        vloss, st = rl.value_loss(
             v,
             old_values,
             returns,
@@ -518,7 +486,7 @@ class AsyncPPORecipe:
             global_seqs=counts.seqs,
         )
         vloss.backward()
-        per_token = as_metrics(st)
+        per_token = rl.as_metrics(st)
         return {"train/value_loss": per_token.pop("train/value_loss")}, per_token
 
     @staticmethod
@@ -529,29 +497,16 @@ class AsyncPPORecipe:
             shares[k] = shares.get(k, 0.0) + v
         stats.add(per_token, mb.response_mask.sum())
 
-    def _clip_and_step(self, which: str, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """Clip the gradient norm and take the optimizer step unless the loss or the norm is not
-        finite (the guard skips it, and stops the run after too many in a row)."""
-        model, optimizer, guard = (
-            (self.actor, self.optimizer, self.actor_guard)
-            if which == "actor"
-            else (self.critic, self.critic_optimizer, self.critic_guard)
-        )
+    def _clip_and_step(self, model, optimizer, guard, loss, step: int) -> tuple[torch.Tensor, bool]:
+        """Clip the gradient norm; step unless the loss or the norm is not finite (the guard
+        skips it, and stops the run after too many in a row). Returns (norm, stepped)."""
         norm = clip_grad_norm_(model.parameters(), self.cfg.ppo.max_grad_norm)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: replicated
-        if guard.check(loss, norm, step=step):
+        stepped = guard.check(loss, norm, step=step)
+        if stepped:
             optimizer.step()
-            if which == "actor":
-                self.correction.after_optimizer_step(self.actor)  # EWMA's θ̄ update
         optimizer.zero_grad(set_to_none=True)
-        return norm
-
-    def _reduce_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        if not self.dist.distributed:
-            return metrics
-        gathered: list[dict[str, float]] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, metrics)
-        return reduce_over_ranks(gathered, summed=LOSS_SHARES)
+        return norm, stepped
 
     # ------------------------------------------------------------------------------ checkpoints
     def _models(self) -> dict:
@@ -575,27 +530,14 @@ class AsyncPPORecipe:
         if self.is_main:
             print(f"resumed from {path} at step {self.start_step}")
 
-    def _export_hf(self, path: Path) -> None:
-        """The trained actor as an HF folder (config.json + safetensors + tokenizer files)."""
-        state = gather_full_state_dict(self.actor, rank0_only=True)  # collective; {} off rank 0
-        if self.is_main:
-            save_pretrained_state_dict(state, self.actor.args, path)
-            src = self.cfg.checkpoint_path
-            for name in TOKENIZER_FILES:
-                if src and (Path(src) / name).is_file():
-                    shutil.copy(Path(src) / name, path / name)
-
     def cleanup(self) -> None:
-        if self.progress is not None:
-            self.progress.close()
-        if self.queue is not None:
-            self.queue.close()
-        if self.engine is not None:
+        for part in (self.progress, self.queue, self.logger):
+            if part is not None:
+                part.close()
+        if self.engine is not None:  # after the queue, which may still be generating
             self.engine.shutdown()
-        if self.logger is not None:
-            self.logger.close()
         if self.dist.distributed:
-            destroy_distributed()
+            parallel.destroy_distributed()
 
 
 def recipe_main(cfg: DictConfig) -> None:

@@ -18,6 +18,7 @@ from minippo.parallel.activation_checkpointing import apply_activation_checkpoin
 from minippo.parallel.distributed import DistInfo, destroy_distributed, init_distributed
 from minippo.parallel.fsdp import (
     assert_not_meta,
+    export_hf,
     full_tensor_buckets,
     gather_full_state_dict,
     load_full_state_dict,
@@ -30,6 +31,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "assert_not_meta",
     "destroy_distributed",
+    "export_hf",
     "full_tensor_buckets",
     "gather_full_state_dict",
     "init_distributed",

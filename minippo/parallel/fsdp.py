@@ -13,7 +13,9 @@ Typical use (every rank runs the same code)::
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,7 @@ from minippo.models.checkpoint import hf_name
 
 __all__ = [
     "assert_not_meta",
+    "export_hf",
     "full_tensor_buckets",
     "gather_full_state_dict",
     "load_full_state_dict",
@@ -186,3 +189,20 @@ def gather_full_state_dict(
         if keep:
             out[name] = t.to(device)
     return out
+
+
+def export_hf(
+    model: nn.Module, path: str | Path, *, tokenizer_dir: str | Path | None = None
+) -> None:
+    """Write a (sharded or plain) :class:`~minippo.models.Transformer` as an HF folder: config.json
+    + safetensors, and the tokenizer files found in ``tokenizer_dir`` (e.g. the checkpoint the
+    run started from). Collective: every rank gathers, rank 0 alone holds the copy and writes."""
+    from minippo.models import TOKENIZER_FILES, save_pretrained_state_dict
+
+    state = gather_full_state_dict(model, rank0_only=True)  # {} off rank 0
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    save_pretrained_state_dict(state, model.args, path)
+    for name in TOKENIZER_FILES:
+        if tokenizer_dir and (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, Path(path) / name)

@@ -345,6 +345,20 @@ def _to_host(values: list[Any]) -> list[float]:
     return stacked.tolist()
 
 
+def gather_and_reduce(
+    metrics: Mapping[str, float], summed: Collection[str] = ()
+) -> dict[str, float]:
+    """This rank's metrics reduced with every rank's (:func:`reduce_over_ranks`; collective under
+    torch.distributed, the metrics unchanged in a single process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return dict(metrics)
+    gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, dict(metrics))
+    return reduce_over_ranks(gathered, summed)
+
+
 def reduce_over_ranks(
     per_rank: Sequence[Mapping[str, float]], summed: Collection[str] = ()
 ) -> dict[str, float]:

@@ -70,9 +70,10 @@ def run_recipes(
             main = runpy.run_path(sys.argv[1])["recipe_main"]
             nan_steps = json.loads(sys.argv[3])
             if nan_steps:
-                recipe_globals = main.__globals__  # the namespace the recipe's methods read
-                real_loss = recipe_globals["policy_loss"]
-                recipe_cls = recipe_globals["AsyncPPORecipe"]
+                import minippo.rl as rl  # the recipe calls rl.policy_loss
+
+                real_loss = rl.policy_loss
+                recipe_cls = main.__globals__["AsyncPPORecipe"]
                 real_updates = recipe_cls._ppo_updates
 
                 def nan_loss(*args, **kwargs):
@@ -80,7 +81,7 @@ def run_recipes(
                     return loss * float("nan"), stats
 
                 def updates(self, step, *args, **kwargs):
-                    recipe_globals["policy_loss"] = nan_loss if step in nan_steps else real_loss
+                    rl.policy_loss = nan_loss if step in nan_steps else real_loss
                     return real_updates(self, step, *args, **kwargs)
 
                 recipe_cls._ppo_updates = updates

@@ -38,7 +38,7 @@ def rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
-variant, path = sys.argv[1], sys.argv[2]
+variant, path, out = sys.argv[1], sys.argv[2], sys.argv[3]
 info = init_distributed()
 base = rss_mib()
 if variant == "A":
@@ -53,7 +53,8 @@ else:
 dist.barrier()
 local = sum(p.to_local().numel() for p in model.parameters())
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print("RESULT=" + json.dumps({"rank": info.rank, "base": base, "peak": peak, "local": local}))
+with open(os.path.join(out, f"rank{info.rank}.json"), "w") as f:
+    json.dump({"rank": info.rank, "base": base, "peak": peak, "local": local}, f)
 dist.destroy_process_group()
 """
 
@@ -81,6 +82,7 @@ def make_checkpoint(folder: Path, quick: bool) -> int:
 
 
 def run_variant(variant: str, folder: Path, port: int) -> list[dict]:
+    out = Path(tempfile.mkdtemp())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
@@ -98,6 +100,7 @@ def run_variant(variant: str, folder: Path, port: int) -> list[dict]:
             WORKER,
             variant,
             str(folder),
+            str(out),
         ],
         capture_output=True,
         text=True,
@@ -105,9 +108,11 @@ def run_variant(variant: str, folder: Path, port: int) -> list[dict]:
         cwd=REPO,
         timeout=900,
     )
-    rows = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT=")]
+    rows = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     if proc.returncode != 0 or len(rows) != 2:
-        raise RuntimeError(f"variant {variant} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"variant {variant} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
     return sorted(rows, key=lambda r: r["rank"])
 
 
@@ -130,14 +135,23 @@ def main() -> None:
                 print(f"round {r + 1} {variant}: peak RSS per rank {peaks} MiB", flush=True)
     fp32_mib = n * 4 / 2**20
     rows = []
-    for variant, label in (("A", "full fp32 model per rank, then shard"), ("B", "meta + per-tensor load")):
+    for variant, label in (
+        ("A", "full fp32 model per rank, then shard"),
+        ("B", "meta + per-tensor load"),
+    ):
         for rank in (0, 1):
             peak = statistics.median(run[rank]["peak"] for run in results[variant])
             base = statistics.median(run[rank]["base"] for run in results[variant])
             rows.append([label, rank, f"{base:.0f}", f"{peak:.0f}", f"{peak - base:.0f}"])
-    print(f"\nmodel: {n / 1e6:.1f}M parameters ({fp32_mib:.0f} MiB in fp32, half per rank as shards)")
+    print(
+        f"\nmodel: {n / 1e6:.1f}M parameters ({fp32_mib:.0f} MiB in fp32, half per rank as shards)"
+    )
     print(f"machine: {machine()}; {rounds} round(s), medians\n")
-    print(markdown_table(["build", "rank", "baseline MiB", "peak RSS MiB", "peak - baseline MiB"], rows))
+    print(
+        markdown_table(
+            ["build", "rank", "baseline MiB", "peak RSS MiB", "peak - baseline MiB"], rows
+        )
+    )
     a_extra = statistics.median(
         run[r]["peak"] - run[r]["base"] for run in results["A"] for r in (0, 1)
     )

@@ -15,8 +15,6 @@ from minippo.rl.advantages import (
 )
 from minippo.rl.aggregation import AGGREGATION_MODES, GlobalCounts, aggregate, global_counts
 from minippo.rl.functional import (
-    chunked_entropy,
-    entropy_from_logits,
     masked_mean,
     masked_sum,
     masked_var,
@@ -34,8 +32,6 @@ __all__ = [
     "GlobalCounts",
     "RolloutBatch",
     "aggregate",
-    "chunked_entropy",
-    "entropy_from_logits",
     "explained_variance",
     "gae",
     "global_counts",

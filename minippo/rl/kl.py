@@ -16,8 +16,6 @@ from minippo.rl.functional import masked_mean
 from minippo.rl.losses import LOG_RATIO_CLAMP
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-# d is clamped to ±KL_LOG_RATIO_CLAMP before use: exp(20) ≈ 4.9e8 stays finite in float32.
-KL_LOG_RATIO_CLAMP = LOG_RATIO_CLAMP  # the losses' clamp, under the name docs/rl.md uses
 
 
 def kl_estimate(
@@ -39,8 +37,8 @@ def kl_estimate(
             f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} "
             "must have the same shape"
         )
-    # d = log π_ref − log π, clamped to ±20
-    d = (ref_logprobs - logprobs).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+    # d = log π_ref − log π, clamped to ±20 (exp(20) ≈ 4.9e8 stays finite in float32)
+    d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if kind == "k1":
         return -d  # k1 = log π − log π_ref
     if kind == "k2":

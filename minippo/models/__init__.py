@@ -19,7 +19,7 @@ Public names:
         vocab_size); TinyTokenizer() built-in char tokenizer; load_tokenizer(path) -> HFTokenizer
 """
 
-from minippo.models.checkpoint import (
+from minippo.models.hf_checkpoint import (
     from_pretrained,
     hf_config_from_model_args,
     hf_name,

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minippo.models.logprobs import (
-    DEFAULT_CHUNK_SIZE,
     ScoreSpec,
     check_score_args,
     logprobs_from_hidden,
@@ -458,21 +457,6 @@ class Transformer(_Decoder):
                 with_entropy=score.with_entropy,
             )
         return h if return_hidden else self.output(h)
-
-    def score(
-        self,
-        tokens: torch.Tensor,
-        *,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        temperature: float = 1.0,
-        start: int = 1,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        with_entropy: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``self(tokens, ..., score=ScoreSpec(start, temperature, chunk_size, with_entropy))``."""
-        spec = ScoreSpec(start, temperature, chunk_size, with_entropy)
-        return self(tokens, position_ids=position_ids, attention_mask=attention_mask, score=spec)
 
 
 class ValueModel(_Decoder):

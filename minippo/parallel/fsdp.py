@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from minippo.models.checkpoint import hf_name
+from minippo.models.hf_checkpoint import hf_name
 
 __all__ = [
     "assert_not_meta",

@@ -15,8 +15,6 @@ from minippo.rl.advantages import (
 )
 from minippo.rl.aggregation import AGGREGATION_MODES, GlobalCounts, aggregate, global_counts
 from minippo.rl.functional import (
-    chunked_entropy,
-    entropy_from_logits,
     masked_mean,
     masked_sum,
     masked_var,
@@ -46,8 +44,6 @@ __all__ = [
     "ValueStats",
     "aggregate",
     "as_metrics",
-    "chunked_entropy",
-    "entropy_from_logits",
     "explained_variance",
     "gae",
     "global_counts",

@@ -1,4 +1,4 @@
-"""Masked statistics and entropy helpers.
+"""Masked statistics over response-aligned tensors.
 
 Conventions: ``mask`` is a ``[B, R]`` (or any shape matching ``x``) tensor that is 1.0 on real
 response tokens and 0.0 on padding; it is read as a boolean (``mask > 0``), so masked-out entries
@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 # Log-ratios are clamped to ±LOG_RATIO_CLAMP before exp: exp(±20) ∈ [2.1e-9, 4.9e8], finite in
 # float32 and far outside any clip range. Gradient through the clamp is 0 beyond the bound.
@@ -92,78 +90,3 @@ def masked_whiten(
     if not shift_mean:
         white = white + mean
     return torch.where(mask > 0, white, torch.zeros_like(white))
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the sampled distribution p = softmax(logits / T), in nats.
-
-    Args:
-        logits: float [..., V]
-        temperature: T > 0, the sampling temperature (the engine samples from softmax(z / T)).
-    Returns:
-        float32 [...]: H = −Σ_v p_v log p_v = logsumexp(z) − Σ_v p_v z_v, with z = logits / T,
-        computed in float32.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to define a distribution, got {temperature}")
-    z = logits.float() / temperature
-    logp = F.log_softmax(z, dim=-1)
-    p = logp.exp()
-    # H = −Σ p log p, with 0·log 0 = 0 (logits of −inf, e.g. banned tokens, give no nan)
-    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
-
-
-def _entropy_of_chunk(hidden: torch.Tensor, weight: torch.Tensor, temperature: float):
-    # logits = h · Wᵀ, in float32; only this chunk's [B, C, V] logits exist at once
-    logits = hidden.float() @ weight.float().t()
-    return entropy_from_logits(logits, temperature)
-
-
-def chunked_entropy(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = 512,
-) -> torch.Tensor:
-    """Entropy of softmax(h · Wᵀ / T) at each position, computed chunk by chunk over the sequence.
-
-    The full ``[B, S, V]`` float32 logits never live at once: each chunk of ``chunk_size``
-    positions is projected, reduced to its entropy and dropped. When gradients are needed the
-    chunk is wrapped in activation checkpointing, so backward recomputes that chunk's logits
-    instead of keeping them.
-
-    Args:
-        hidden: float [B, S, D] final-normed hidden states. For response entropies pass the
-            positions whose logits predict the response tokens, ``hidden[:, P - 1 : P + R - 1]``,
-            which gives a response-aligned ``[B, R]`` result.
-        lm_head_weight: float [V, D], the full (unsharded) output projection.
-        temperature: T > 0, the sampling temperature.
-        chunk_size: positions per chunk (> 0).
-    Returns:
-        float32 [B, S]
-    """
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must be [B, S, D], got shape {tuple(hidden.shape)}")
-    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[2]:
-        raise ValueError(
-            f"lm_head_weight must be [V, D] with D = {hidden.shape[2]}, "
-            f"got shape {tuple(lm_head_weight.shape)}"
-        )
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to define a distribution, got {temperature}")
-    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
-    out = []
-    for start in range(0, hidden.shape[1], chunk_size):
-        h = hidden[:, start : start + chunk_size]
-        if need_grad:
-            out.append(
-                checkpoint(_entropy_of_chunk, h, lm_head_weight, temperature, use_reentrant=False)
-            )
-        else:
-            out.append(_entropy_of_chunk(h, lm_head_weight, temperature))
-    if not out:
-        return hidden.new_zeros(hidden.shape[:2], dtype=torch.float32)
-    return torch.cat(out, dim=1)

@@ -44,7 +44,7 @@ MAX_TOL = 0.5  # max over all tokens (a few tokens near ties move more in bf16)
 
 def _tiny_config() -> dict:
     from minippo.models import ModelArgs
-    from minippo.models.checkpoint import hf_config_from_model_args
+    from minippo.models.hf_checkpoint import hf_config_from_model_args
 
     args = ModelArgs(
         vocab_size=4096, dim=512, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=64,

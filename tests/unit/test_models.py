@@ -1,4 +1,6 @@
-"""Native model: shapes, masking, KV cache, chunked logprobs, value model, meta init."""
+"""Native model: shapes, masking, KV cache, chunked logprobs and entropy, value model, meta init."""
+
+import math
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from minippo.models import (
     token_logprobs,
     token_logprobs_and_entropy,
 )
+from minippo.models.logprobs import logprobs_from_hidden
 
 
 def tiny_model(**overrides) -> Transformer:
@@ -173,9 +176,90 @@ def test_token_logprobs_bad_input():
         token_logprobs(model, tokens, start=5)
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(model, tokens, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        token_logprobs_and_entropy(model, tokens, chunk_size=0)
     with pytest.raises(ValueError, match="kv_cache"):
         model(tokens, kv_cache=KVCache(model.args, 2, 8), score=ScoreSpec())
-    torch.testing.assert_close(model.score(tokens, start=2), token_logprobs(model, tokens, start=2))
+    with pytest.raises(ValueError, match="return_hidden"):
+        model(tokens, return_hidden=True, score=ScoreSpec())
+    # the scoring functions are model.forward with a ScoreSpec (so FSDP2 hooks see the work)
+    spec = ScoreSpec(start=2, temperature=0.5, chunk_size=3, with_entropy=True)
+    lp, ent = token_logprobs_and_entropy(model, tokens, temperature=0.5, start=2, chunk_size=3)
+    via_forward = model(tokens, score=spec)
+    assert torch.equal(lp, via_forward[0]) and torch.equal(ent, via_forward[1])
+
+
+def test_entropy_by_hand():
+    # lm_head = Linear(2, V) with chosen rows; hidden [1, 1, 2] picks the logits z = W h
+    def scored(rows: list[list[float]], h: list[float], T: float = 1.0):
+        head = torch.nn.Linear(2, len(rows), bias=False)
+        with torch.no_grad():
+            head.weight.copy_(torch.tensor(rows))
+        return logprobs_from_hidden(
+            torch.tensor([[h]]), head, torch.tensor([[1]]), temperature=T, with_entropy=True
+        )
+
+    # uniform over 4: H = ln 4, log p = −ln 4
+    lp, ent = scored([[0.0, 0.0]] * 4, [1.0, 0.0])
+    assert ent.item() == pytest.approx(math.log(4)) and lp.item() == pytest.approx(-math.log(4))
+    # z = (0, ln 3): p = (1/4, 3/4)
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    lp, ent = scored([[0.0, 0.0], [math.log(3), 0.0]], [1.0, 0.0])
+    assert ent.item() == pytest.approx(h) and lp.item() == pytest.approx(math.log(0.75))
+    # temperature 2 on z = (0, 2 ln 3) is the same distribution
+    lp, ent = scored([[0.0, 0.0], [math.log(3), 0.0]], [2.0, 0.0], T=2.0)
+    assert ent.item() == pytest.approx(h) and lp.item() == pytest.approx(math.log(0.75))
+    # a near point mass (p_0 = e^-200 underflows in float32): entropy 0, no nan
+    lp, ent = scored([[0.0, 0.0], [200.0, 0.0]], [1.0, 0.0])
+    assert ent.item() == 0.0 and lp.item() == 0.0
+
+
+def test_chunked_logprobs_and_entropy_match_one_chunk_values_and_grads():
+    # Chunking only splits the rows of the [B·L, D] hidden states; each row's logits, logsumexp
+    # and entropy are the same float32 arithmetic in every split, so values and gradients agree up
+    # to the rounding of the float64 → float32 cast of the logits (one ulp of z, u·|z| with
+    # u = 2⁻²⁴) carried through O(V) float32 terms: bound (V + 8)·u·Σ|term| per element.
+    g = torch.Generator().manual_seed(0)
+    B, L, D, V, T = 2, 7, 5, 11, 0.7
+    hidden = torch.randn(B, L, D, generator=g, dtype=torch.float64, requires_grad=True)
+    head = torch.nn.Linear(D, V, bias=False).double()
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, D, generator=g, dtype=torch.float64))
+    targets = torch.randint(0, V, (B, L), generator=g)
+    u = 2.0**-24
+
+    def run(chunk_size: int):
+        lp, ent = logprobs_from_hidden(
+            hidden, head, targets, temperature=T, chunk_size=chunk_size, with_entropy=True
+        )
+        grads = torch.autograd.grad(lp.sum() + ent.sum(), (hidden, head.weight))
+        return lp, ent, grads
+
+    lp1, ent1, grads1 = run(B * L)
+    lp3, ent3, grads3 = run(3)
+    z = (hidden.detach() @ head.weight.detach().t()) / T  # [B, L, V]
+    p = z.softmax(-1)
+    # H = −Σ p log p from the float64 logits; log p of the targets
+    ent_ref = -(p * p.log()).sum(-1)
+    lp_ref = z.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+    # |lse| + Σ_v p_v |z_v| bounds the magnitude of the terms of lp and H
+    scale = z.logsumexp(-1).abs() + (p * z.abs()).sum(-1)
+    bound = (V + 8) * u * scale
+    for got in (lp1, lp3):
+        assert got.dtype == torch.float32
+        assert ((got.double() - lp_ref).abs() <= bound).all()
+    for got in (ent1, ent3):
+        assert ((got.double() - ent_ref).abs() <= bound).all()
+    assert ((lp3 - lp1).abs() <= bound).all() and ((ent3 - ent1).abs() <= bound).all()
+    # d(lp + H)/dz_v has magnitude ≤ (1 + |z|max)·(p_v + 1[v = t]) ≤ 2(1 + |z|max) per row; the
+    # gradients are its float32 rounding times W (hidden) or h (weight), summed over V or B·L rows
+    zmax = float(z.abs().max())
+    w_abs = head.weight.detach().abs()
+    h_abs = hidden.detach().abs()
+    bound_h = (V + 8) * u * 2 * (1 + zmax) / T * w_abs.sum(0)  # [D]
+    bound_w = (V + 8) * u * 2 * (1 + zmax) / T * h_abs.reshape(-1, D).sum(0)  # [D]
+    assert ((grads3[0] - grads1[0]).abs() <= bound_h).all()
+    assert ((grads3[1] - grads1[1]).abs() <= bound_w).all()
 
 
 def test_value_model_shapes_and_zero_head():

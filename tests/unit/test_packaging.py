@@ -27,11 +27,27 @@ def test_wheel_install_ships_recipes_and_configs(tmp_path):
     assert build.returncode == 0, build.stderr
     (wheel,) = wheel_dir.glob("minippo-*.whl")
 
-    # A fresh venv that sees the already-installed dependencies (torch, omegaconf, ...) but installs
-    # minippo itself from the wheel, not from this checkout.
+    # A fresh venv that installs minippo itself from the wheel, not from this checkout, and sees the
+    # dependencies (torch, omegaconf, ...) of the interpreter running pytest. Not through
+    # system_site_packages: that exposes the *base* interpreter's site-packages, which lacks them
+    # when pytest runs inside a venv. Instead a .pth file in the new venv lists the running
+    # interpreter's site directories (its own, a parent venv's, the base's, the user site: every
+    # site-packages/dist-packages entry of sys.path). At start-up ``site`` appends those lines to
+    # sys.path AFTER the new venv's site-packages, so the wheel's minippo is found first; and as
+    # plain paths (not site.addsitedir) their own .pth files do not run, so an editable install of
+    # this checkout (a .pth line or import hook pointing at the source tree) stays invisible.
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    site_dirs = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
+    assert site_dirs, f"no site-packages directory on sys.path: {sys.path}"
+    env_site = subprocess.run(
+        [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(env_site) / "_running_interpreter_sites.pth").write_text("\n".join(site_dirs) + "\n")
     subprocess.run(
         [
             sys.executable,

@@ -40,7 +40,7 @@ from minippo.engine.sglang_engine import (
     token_versions,
 )
 from minippo.models import Transformer, init_weights, native_name, qwen3_tiny
-from minippo.models.checkpoint import hf_config_from_model_args, model_args_from_hf_config
+from minippo.models.hf_checkpoint import hf_config_from_model_args, model_args_from_hf_config
 from minippo.parallel import full_tensor_buckets
 from tests.engine_suite import (
     EngineHarness,

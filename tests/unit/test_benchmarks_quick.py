@@ -33,6 +33,7 @@ MARKERS = {
     "engine_throughput.py": ["ratio TorchEngine / HF"],
     "correction_cost.py": ["EWMA update", "snapshot save"],
     "logprob_memory.py": ["| naive |", "| chunked |"],
+    "host_memory.py": ["| meta + per-tensor load | 1 |", "ratio (peak - baseline)"],
 }
 # Quick modes slower than ~20 s on an unloaded 2-core machine. Measured at load ~1 (seconds):
 # corrections_study 12, perf 18, memory 13, engine_throughput 8.5, correction_cost 11,

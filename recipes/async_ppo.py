@@ -28,6 +28,7 @@ from minippo.training.checkpoint import Checkpointer, RNGState
 from minippo.training.metrics import MetricAverager, NoOpLogger, gather_and_reduce
 from minippo.training.nan_guard import NonFiniteGuard
 from minippo.training.optimizers import build_optimizer
+from minippo.training.output_dir import OutputDir
 from minippo.training.progress import ProgressBar
 from minippo.training.rollout_queue import RolloutQueue
 
@@ -140,8 +141,7 @@ class AsyncPPORecipe:
         self.cfg = cfg
         self.dist = parallel.init_distributed()
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
-        self.device = self.dist.device
-        self.is_main = self.dist.is_main
+        self.device, self.is_main = self.dist.device, self.dist.is_main
         if self.device.type == "cpu":
             # the engine process takes the other cores; oversubscribed intra-op threads spin
             ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -154,8 +154,11 @@ class AsyncPPORecipe:
         self.temperature = float(cfg.rollout.temperature) or 1.0  # greedy scores at T = 1
         self.use_critic = rl.needs_critic(cfg.advantage_estimator)
         self.use_ref = cfg.kl.coef > 0
-        self.ckpt_path: Path | None = None
+        self.ckpt_path: Path | None = None  # the last checkpoint saved or loaded
         self.progress = self.queue = self.engine = self.logger = None  # built by setup
+        self.output_dir = OutputDir.of_run(cfg)  # one run per output_dir, locked until cleanup
+        if self.is_main:
+            self.output_dir.claim()
 
     # ------------------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
@@ -227,11 +230,11 @@ class AsyncPPORecipe:
             "queue": self.queue,  # with the batch it generated ahead for the next step
             "correction": self.correction,
             "scheduler": self.scheduler,
+            "critic_scheduler": self.critic_scheduler,  # None without a critic: not saved
             "actor_guard": self.actor_guard,
             "critic_guard": self.critic_guard,
         }
-        if self.critic_scheduler is not None:
-            self.states["critic_scheduler"] = self.critic_scheduler
+        self.states = {name: obj for name, obj in self.states.items() if obj is not None}
         self.checkpointer = Checkpointer(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last)
         resume = self.checkpointer.resolve(cfg.resume_from)
         if resume is not None:
@@ -255,8 +258,7 @@ class AsyncPPORecipe:
         if trainable and self.cfg.activation_checkpointing:  # recompute each block in backward
             parallel.apply_activation_checkpointing(model)
         if self.dist.distributed:  # a plain single process trains unsharded, in fp32
-            dtype = torch_dtype(self.cfg.dtype, "dtype")
-            parallel.shard_model(model, param_dtype=dtype, sum_gradients=True)
+            parallel.shard_model(model, param_dtype=torch_dtype(self.cfg.dtype), sum_gradients=True)
         model.to_empty(device=self.device)
         if path:
             return models.load_pretrained_weights(model, path)
@@ -347,14 +349,13 @@ class AsyncPPORecipe:
 
             # step 6. metrics, progress, checkpoint
             now = time.perf_counter()
-            tokens = float(mask.sum()) * self.world_size
             metrics |= {
                 "perf/step_s": now - t_step,
                 "perf/rewards_and_wait_s": t_prep - t_step,
                 "perf/prepare_s": t_train - t_prep,
                 "perf/train_s": t_pub - t_train,
                 "perf/publish_s": now - t_pub,
-                "perf/tokens_per_s": tokens / max(now - t_step, 1e-9),
+                "perf/tokens_per_s": float(mask.sum()) * self.world_size / max(now - t_step, 1e-9),
                 "train/lr": self.scheduler.get_last_lr()[0],
                 "train/actor_updated": float(train_actor),
             }
@@ -362,11 +363,10 @@ class AsyncPPORecipe:
             if (step + 1) % cfg.log_every_n_steps == 0 or step + 1 == self.total_steps:
                 self.logger.log(metrics, step=step)
             self.progress.update(metrics)
-            last = step + 1 == self.total_steps
-            if (step + 1) % cfg.checkpoint.every_n_steps == 0 or last:
+            if (step + 1) % cfg.checkpoint.every_n_steps == 0 or step + 1 == self.total_steps:
                 self.save_checkpoint(step + 1)
         self.progress.close()
-        export = Path(cfg.output_dir).resolve() / "hf_export"
+        export = self.output_dir.export_dir
         if cfg.checkpoint.export_hf:
             parallel.export_hf(self.actor, export, tokenizer_dir=cfg.checkpoint_path)
         if self.is_main:
@@ -536,6 +536,7 @@ class AsyncPPORecipe:
                 part.close()
         if self.engine is not None:  # after the queue, which may still be generating
             self.engine.shutdown()
+        self.output_dir.release()
         if self.dist.distributed:
             parallel.destroy_distributed()
 

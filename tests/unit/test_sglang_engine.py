@@ -51,6 +51,7 @@ from tests.engine_suite import (
     req,
     run_in_thread,
 )
+from tests.sglang_api import SERVER_ARG_KEYS
 
 ARGS = qwen3_tiny()
 EOS = 63  # the stand-in model's EOS id (config.json "eos_token_id")
@@ -522,7 +523,7 @@ def test_engine_kwargs_one_engine_per_rank(fake, model_path):
     assert kw["mem_fraction_static"] == 0.35 and kw["dtype"] == "bfloat16"
     assert kw["enable_memory_saver"] is False  # overlap mode needs no release/resume
     assert kw["weight_version"] == "4" and eng.version == 4
-    assert tuple(kw) == backend.SERVER_ARG_KEYS
+    assert tuple(kw) == SERVER_ARG_KEYS
     eng.shutdown()
     eng.shutdown()  # idempotent
     assert calls(fake[-1], "shutdown") == [("shutdown",)]

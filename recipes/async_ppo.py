@@ -8,7 +8,6 @@ Copy it with ``minippo cp async_ppo my_ppo.py`` and edit; nothing imports this f
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import shutil
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.utils import clip_grad_norm_
 
-from minippo.config import instantiate, locate
+from minippo.config import instantiate
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
 from minippo.models import (
@@ -125,10 +124,8 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
         raise ValueError(
             f"ppo.score_micro_batch_size must be >= 1 or null, got {ppo.score_micro_batch_size}"
         )
-    if cfg.dtype not in DTYPES or cfg.engine_dtype not in DTYPES:
-        raise ValueError(
-            f"dtype ({cfg.dtype!r}) and engine_dtype ({cfg.engine_dtype!r}) must be in {sorted(DTYPES)}"
-        )
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype ({cfg.dtype!r}) must be in {sorted(DTYPES)}")
     if cfg.dtype != "fp32" and not distributed:
         raise ValueError(
             f"dtype={cfg.dtype} is FSDP2 mixed precision (fp32 master weights), which needs a "
@@ -205,15 +202,16 @@ class AsyncPPORecipe:
         self.dataset = instantiate(cfg.dataset, tokenizer=self.tokenizer)
         self.reward_fn = instantiate(cfg.reward)
 
-        # Models: built in full on CPU (random init or an HF folder), the engine copies the
-        # actor, then each model moves to the device and is sharded (under torchrun).
+        # Models: built in full on CPU (random init or an HF folder), then each moves to the
+        # device and is sharded (under torchrun). The engine is built from the model config and
+        # receives the actor's weights through the first publish (below).
         actor = self._build_model(cfg, critic=False)
         if actor.args.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(
                 f"the model's vocab_size ({actor.args.vocab_size}) is smaller than the tokenizer's "
                 f"({self.tokenizer.vocab_size}); set model.vocab_size={self.tokenizer.vocab_size}"
             )
-        self.engine = self._build_engine(cfg, actor)
+        self.engine = instantiate(cfg.engine, model_args=actor.args)
         self.actor = self._place(actor)
         self.critic = self._place(self._build_model(cfg, critic=True)) if self.use_critic else None
         self.ref = None  # frozen: no activation checkpointing, no gradients
@@ -282,13 +280,6 @@ class AsyncPPORecipe:
         model = ValueModel(args) if critic else Transformer(args)
         return init_weights(model, seed=cfg.seed + (1 if critic else 0))
 
-    def _build_engine(self, cfg: DictConfig, actor: torch.nn.Module):
-        # TorchEngine is handed the actor (it copies it into its own process); an engine without
-        # a `model` argument (SGLang) loads `model_path` itself. Both receive the actor's weights
-        # through publish() before the first request.
-        takes_model = "model" in inspect.signature(locate(cfg.engine._component_)).parameters
-        return instantiate(cfg.engine, actor) if takes_model else instantiate(cfg.engine)
-
     def _place(self, model: torch.nn.Module, *, trainable: bool = True) -> torch.nn.Module:
         model = model.to(self.device).requires_grad_(trainable)
         if trainable and self.cfg.activation_checkpointing:  # recompute each block in backward
@@ -300,9 +291,10 @@ class AsyncPPORecipe:
     def _publish(self, version: int) -> None:
         """Step 5: full weights bucket by bucket into this rank's engine; snapshot for the
         correction. Collective under FSDP (every rank gathers every tensor)."""
-        dtype = DTYPES[self.cfg.engine_dtype]
         buckets = full_tensor_buckets(
-            self.actor, bucket_bytes=int(self.cfg.publish_bucket_mb * 2**20), dtype=dtype
+            self.actor,
+            bucket_bytes=int(self.cfg.publish_bucket_mb * 2**20),
+            dtype=self.engine.dtype,
         )
         self.queue.publish(buckets, version=version)
         self.correction.on_weights_published(version, self.actor)

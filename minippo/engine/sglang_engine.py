@@ -76,7 +76,7 @@ import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -87,20 +87,17 @@ from minippo.engine.protocol import (
     GenerateRequest,
     SamplingParams,
     WeightBucket,
+    compute_dtype,
     validate_requests,
 )
+
+if TYPE_CHECKING:
+    from minippo.models import ModelArgs
 
 SGLANG_VERSION = "0.5.23"
 
 MemoryMode = Literal["overlap", "sleep"]
 MEMORY_MODES: tuple[str, ...] = ("overlap", "sleep")
-ENGINE_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
-
-
 # SGLang's memory tags (release / resume occupation)
 _MEM_WEIGHTS, _MEM_KV, _MEM_GRAPH = "weights", "kv_cache", "cuda_graph"
 
@@ -374,11 +371,14 @@ class SGLangEngine:
     Args:
         model_path:          HF checkpoint folder (config.json; with ``load_format="dummy"`` only
                              the config is read and the weights come from ``publish_weights``).
+        model_args:          the trainer's :class:`minippo.models.ModelArgs` (the recipe passes
+                             it to every engine); kept as ``self.model_args``.
         mem_fraction_static: fraction of the GPU's memory for the engine's weights + KV cache.
         memory_mode:         "overlap" (share the GPU with the trainer at the same time) or
                              "sleep" (release the engine's memory around training).
-        dtype:               engine dtype ("bfloat16", "float16", "float32"); pushed weights are
-                             cast to it.
+        dtype:               the engine's compute dtype (config key ``engine.dtype``): "bfloat16"
+                             / "bf16", "float16" / "fp16", "float32" / "fp32", or a
+                             ``torch.dtype``; pushed weights are cast to it.
         local_rank:          GPU index among the visible ones; default: $LOCAL_RANK or 0.
         base_port:           ports: port = base_port + local_rank * port_stride, nccl_port =
         port_stride:         port + 1.
@@ -404,9 +404,10 @@ class SGLangEngine:
         self,
         model_path: str,
         *,
+        model_args: ModelArgs | None = None,
         mem_fraction_static: float = 0.5,
         memory_mode: MemoryMode = "overlap",
-        dtype: str = "bfloat16",
+        dtype: str | torch.dtype = "bfloat16",
         local_rank: int | None = None,
         base_port: int = 30000,
         port_stride: int = 8,
@@ -431,8 +432,7 @@ class SGLangEngine:
             )
         if memory_mode not in MEMORY_MODES:
             raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {memory_mode!r}")
-        if dtype not in ENGINE_DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(ENGINE_DTYPES)}, got {dtype!r}")
+        compute = compute_dtype(dtype)
         if weights_cpu_backup and memory_mode != "sleep":
             raise ValueError("weights_cpu_backup=True only makes sense with memory_mode='sleep'")
         if context_length is not None and int(context_length) < 2:
@@ -448,7 +448,7 @@ class SGLangEngine:
             port=port,
             nccl_port=nccl_port,
             mem_fraction_static=float(mem_fraction_static),
-            dtype=dtype,
+            dtype=str(compute).removeprefix("torch."),
             load_format=load_format,
             memory_mode=memory_mode,
             weights_cpu_backup=bool(weights_cpu_backup),
@@ -481,13 +481,14 @@ class SGLangEngine:
                 stacklevel=2,
             )
 
+        self.model_args = model_args
         self.memory_mode: str = memory_mode
         self.local_rank = int(local_rank)
         self.server_args: dict[str, Any] = kwargs
         self._context_length = kwargs["context_length"]
         self._sampling_backend = sampling_backend
         self._weights_cpu_backup = bool(weights_cpu_backup)
-        self._dtype = ENGINE_DTYPES[dtype]
+        self._dtype = compute
         self._device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else None
         self._version = int(version)
         self._stamped = int(version)  # newest version handed to the engine
@@ -553,6 +554,11 @@ class SGLangEngine:
     def version(self) -> int:
         """The weight version that the next sampled token will carry."""
         return self._version
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The engine's compute dtype (publish weights cast to it)."""
+        return self._dtype
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Complete every request (blocking; callable from a background thread)."""

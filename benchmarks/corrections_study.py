@@ -11,11 +11,8 @@ Axes:
                  ewma_noreset (reset_below 1e-9: a reset needs a retained fraction of exactly 0,
                  i.e. it never fires), loglinear_prox
     discrepancy  fp32: the engine computes in fp32 like the trainer (they agree to ~1e-6);
-                 bf16: the engine's copy of the model is bfloat16 (weights, activations and
-                 KV cache; sampling in fp32 from the bf16 logits), set with
-                 engine.dtype = pydoc.locate("torch.bfloat16") since the TorchEngine takes a
-                 torch.dtype; bf16_weights: engine_dtype=bf16 (what that key does: the published
-                 weights are rounded to bf16, the engine still computes in fp32)
+                 bf16: the engine computes in bfloat16 (engine.dtype=bf16: weights,
+                 activations and KV cache; sampling in fp32 from the bf16 logits)
     seed         the run's seed (model init, prompts, sampling)
 
 Per cell (mean over seeds): final reward (mean of the last 5 steps), steps until the 5-step
@@ -67,8 +64,7 @@ METHODS: dict[str, list[str]] = {
 }
 DISCREPANCY: dict[str, list[str]] = {
     "fp32": [],
-    "bf16": ["+engine.dtype._component_=pydoc.locate", "+engine.dtype.path=torch.bfloat16"],
-    "bf16_weights": ["engine_dtype=bf16"],
+    "bf16": ["engine.dtype=bf16"],
 }
 SMOOTH = 5  # steps of the trailing mean used for "steps to 80%" and collapse detection
 

@@ -27,6 +27,7 @@ import torch
 
 from minippo.engine import GenerateRequest, SamplingParams, TorchEngine
 from minippo.models import from_pretrained, token_logprobs
+from minippo.parallel import full_tensor_buckets
 
 
 def build_hf_model(vocab: int, dim: int, layers: int, seed: int):
@@ -97,6 +98,16 @@ def run_hf(model, prompts: torch.Tensor, new_tokens: int, seed: int) -> float:
     return dt
 
 
+def torch_engine(model, **kw) -> TorchEngine:
+    """A TorchEngine built from ``model.args`` (as the recipe builds it) holding ``model``'s
+    weights (its first publish)."""
+    engine = TorchEngine(model.args, **kw)
+    engine.publish_weights(
+        full_tensor_buckets(model, bucket_bytes=1 << 26, dtype=engine.dtype), version=0
+    )
+    return engine
+
+
 def run_engine(engine, requests) -> tuple[float, int]:
     """Seconds of one ``engine.generate(requests)`` and the number of generated tokens."""
     t0 = time.perf_counter()
@@ -143,8 +154,8 @@ def main() -> None:
         )
         for i, r in enumerate(requests)
     ]
-    engine = TorchEngine(ours, in_process=not args.process, num_threads=args.threads)
-    no_compact = TorchEngine(
+    engine = torch_engine(ours, in_process=not args.process, num_threads=args.threads)
+    no_compact = torch_engine(
         ours, in_process=not args.process, num_threads=args.threads, compact=False
     )
     hf_times, eng_times, comp_times, nocomp_times = [], [], [], []

@@ -37,12 +37,10 @@ SECTIONS = ("engine", "async", "correction", "ppo")
 def engine_vs_hf(quick: bool, threads: int) -> list[list]:
     import engine_throughput as et
 
-    from minippo.engine import TorchEngine
-
     batch, prompt_len, new, repeats = (8, 16, 16, 1) if quick else (32, 32, 128, 3)
     hf, ours = et.twin_models(vocab=32_000, dim=256, layers=4, seed=0)
     prompts, requests = et.make_requests(batch, prompt_len, new)
-    engine = TorchEngine(ours, in_process=True, num_threads=threads)
+    engine = et.torch_engine(ours, in_process=True, num_threads=threads)
     hf_t, eng_t = [], []
     try:
         for r in range(repeats + 1):  # run 0 warms up

@@ -42,7 +42,8 @@ class EngineHarness:
     """What the suite needs to know about a backend.
 
     Fields:
-        make_engine:        builds a fresh engine holding the weights of version 0.
+        make_engine:        builds a fresh engine holding the weights of version 0 (engines start
+                            without weights: publish them, e.g. with :func:`publish_model`).
         vocab_size:         V; every generated id must be in [0, V).
         max_seq_len:        the engine's context length (prompt + max_new_tokens limit).
         weights:            ``weights(version) -> buckets`` of (HF name, tensor) for a distinct set
@@ -66,6 +67,17 @@ class EngineHarness:
     batch_invariant: bool = True
     long_tokens: int = 400
     prompt: tuple[int, ...] = (1, 2, 3)
+
+
+def publish_model(engine: RolloutEngine, model: torch.nn.Module, version: int = 0):
+    """Publish ``model``'s weights into ``engine`` as ``version``, cast to the engine's dtype as the
+    recipe does (HF names, buckets of 1 MiB); return the engine. Engines are built from the model
+    config without weights, so this is how a test fills one."""
+    from minippo.parallel import full_tensor_buckets
+
+    buckets = full_tensor_buckets(model, bucket_bytes=1 << 20, dtype=engine.dtype)
+    engine.publish_weights(buckets, version=version)
+    return engine
 
 
 def req(prompt, rid, **params) -> GenerateRequest:
@@ -158,6 +170,7 @@ class EngineProtocolSuite:
     def test_implements_protocol(self, engine):
         assert isinstance(engine, RolloutEngine)
         assert engine.version == 0
+        assert isinstance(engine.dtype, torch.dtype)
 
     def test_completions_structure_and_order(self, engine, harness):
         reqs = [

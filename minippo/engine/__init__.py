@@ -9,6 +9,7 @@ from minippo.engine.protocol import (
     RolloutEngine,
     SamplingParams,
     WeightBucket,
+    compute_dtype,
     validate_requests,
 )
 from minippo.engine.sglang_engine import SGLangEngine
@@ -24,5 +25,6 @@ __all__ = [
     "SamplingParams",
     "TorchEngine",
     "WeightBucket",
+    "compute_dtype",
     "validate_requests",
 ]

@@ -4,9 +4,14 @@ Two backends implement it: :class:`minippo.engine.TorchEngine` (pure PyTorch, CP
 embedded default) and ``SGLangEngine`` (GPU). The rollout queue and the recipe only ever talk to this
 protocol, and ``tests/engine_suite.py`` runs the same protocol checks against every backend.
 
-Weight versions. The engine holds one integer ``version`` (0 for the weights it was built with,
-unless the constructor says otherwise). ``publish_weights(buckets, version)`` loads new weights and
-sets ``version``; every token sampled after the new weights are in place is stamped with that
+Building and weights. Every engine is built from the model config (``model_args``, a
+:class:`minippo.models.ModelArgs`) and its compute dtype (``dtype``, the config key ``engine.dtype``),
+never from a trainer's model: it starts without valid weights and refuses to generate until the
+first ``publish_weights`` (the trainer publishes before its first request). ``dtype`` is the
+engine's compute dtype as a ``torch.dtype``; the trainer casts what it publishes to it.
+
+Weight versions. The engine holds one integer ``version`` (0 at start, unless the constructor says
+otherwise). ``publish_weights(buckets, version)`` loads new weights and sets ``version``; every token sampled after the new weights are in place is stamped with that
 version. Each generated token carries the version of the weights that computed its logits, so a
 response that was paused, re-weighted and resumed (a partial rollout) carries several versions.
 
@@ -40,6 +45,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
+
+from minippo.config import torch_dtype
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
@@ -205,6 +212,13 @@ def validate_requests(
         seen.add(req.request_id)
 
 
+def compute_dtype(value: str | torch.dtype) -> torch.dtype:
+    """The engine's compute dtype from ``engine.dtype``: a name in either spelling ("bf16" or
+    "bfloat16", ...; :func:`minippo.config.torch_dtype`) or a ``torch.dtype``."""
+    name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    return torch_dtype(name, "engine.dtype")
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """A generator the trainer can overlap with training. See the module docstring."""
@@ -212,6 +226,11 @@ class RolloutEngine(Protocol):
     @property
     def version(self) -> int:
         """The weight version that the next sampled token will carry."""
+        ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The engine's compute dtype (publish weights cast to it)."""
         ...
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:

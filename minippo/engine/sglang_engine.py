@@ -75,9 +75,8 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -88,180 +87,27 @@ from minippo.engine.protocol import (
     GenerateRequest,
     SamplingParams,
     WeightBucket,
+    compute_dtype,
     validate_requests,
 )
+
+if TYPE_CHECKING:
+    from minippo.models import ModelArgs
 
 SGLANG_VERSION = "0.5.23"
 
 MemoryMode = Literal["overlap", "sleep"]
 MEMORY_MODES: tuple[str, ...] = ("overlap", "sleep")
-ENGINE_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
-
-
-# ----------------------------------------------------------------------------------------------
-# The SGLang API surface this backend uses: ONE table. tests/unit/test_sglang_api_compat.py checks
-# every entry against the pinned wheel's source, and checks that this module's own calls into
-# SGLang (``self._engine.X``, ``self._tm.X``, ``self._api.X``, imports, output keys) are all here.
-
-
-@dataclass(frozen=True)
-class ApiUse:
-    """One piece of SGLang's API that this backend relies on.
-
-    Fields:
-        kind:     "class"       importable ``name`` from ``module``; ``keywords`` = constructor
-                                keywords passed (each must be a field of the class);
-                  "server_args" ``Engine(**kwargs)`` builds ``ServerArgs(**kwargs)``: ``keywords``
-                                are the kwargs passed (each must be a ServerArgs field);
-                  "method"      ``Class.method`` (resolved through base classes in the wheel);
-                                ``keywords`` are the keyword arguments passed; ``is_async`` says
-                                whether it is awaited;
-                  "attribute"   ``Class.attr`` set on instances (``self.attr = ...``);
-                  "literal"     strings that must occur in ``module`` as string constants or
-                                as assigned / annotated names (output keys, literal values,
-                                struct fields, environment settings).
-        module:   dotted module path inside the wheel.
-        name:     class, ``Class.member`` or a label (for literals).
-        keywords: see ``kind``.
-        is_async: for methods: True = ``async def`` (awaited), False = plain ``def``.
-        note:     why the backend needs it.
-    """
-
-    kind: Literal["class", "server_args", "method", "attribute", "literal"]
-    module: str
-    name: str
-    keywords: tuple[str, ...] = ()
-    is_async: bool | None = None
-    note: str = ""
-
-
-_ENGINE = "sglang.srt.entrypoints.engine"
-_IO = "sglang.srt.managers.io_struct"
-_TM = "sglang.srt.managers.tokenizer_manager"
-
-# keys of the Engine(**kwargs) call, in the order engine_server_args() builds them
-SERVER_ARG_KEYS: tuple[str, ...] = (
-    "model_path",
-    "tp_size",
-    "base_gpu_id",
-    "port",
-    "nccl_port",
-    "mem_fraction_static",
-    "dtype",
-    "load_format",
-    "skip_tokenizer_init",
-    "enable_memory_saver",
-    "enable_weights_cpu_backup",
-    "random_seed",
-    "weight_version",
-    "context_length",
-    "sampling_backend",
-    "enable_deterministic_inference",
-    "rl_on_policy_target",
-    "log_level",
-)
-
-SGLANG_API: tuple[ApiUse, ...] = (
-    # -- imports and constructors
-    ApiUse("class", _ENGINE, "Engine", note="one offline engine per rank: Engine(**server_args)"),
-    ApiUse("server_args", "sglang.srt.server_args", "ServerArgs", SERVER_ARG_KEYS),
-    ApiUse("class", "sglang.srt.utils", "MultiprocessingSerializer", note="CUDA IPC payloads"),
-    ApiUse("class", _IO, "PauseGenerationReqInput", ("mode",)),
-    ApiUse("class", _IO, "ContinueGenerationReqInput"),
-    ApiUse("class", _IO, "BeginWeightUpdateReqInput"),
-    ApiUse("class", _IO, "EndWeightUpdateReqInput"),
-    ApiUse(
-        "class",
-        _IO,
-        "UpdateWeightsFromTensorReqInput",
-        ("serialized_named_tensors", "load_format", "flush_cache"),
-    ),
-    ApiUse("class", _IO, "UpdateWeightVersionReqInput", ("new_version", "abort_all_requests")),
-    ApiUse("class", _IO, "ReleaseMemoryOccupationReqInput", ("tags",)),
-    ApiUse("class", _IO, "ResumeMemoryOccupationReqInput", ("tags",)),
-    # -- Engine members
-    ApiUse("attribute", _ENGINE, "Engine.tokenizer_manager", note="the async control API"),
-    ApiUse("attribute", _ENGINE, "Engine.loop", note="the loop our thread runs"),
-    ApiUse(
-        "method",
-        _ENGINE,
-        "Engine.async_generate",
-        ("input_ids", "sampling_params", "return_logprob", "rid"),
-        is_async=True,
-    ),
-    ApiUse("method", _ENGINE, "Engine.shutdown", is_async=False),
-    # -- tokenizer manager (methods live on TokenizerManager or its mixins)
-    ApiUse("method", _TM, "TokenizerManager.pause_generation", ("obj",), is_async=True),
-    ApiUse("method", _TM, "TokenizerManager.continue_generation", ("obj",), is_async=True),
-    ApiUse("method", _TM, "TokenizerManager.abort_request", ("abort_all",), is_async=False),
-    ApiUse("method", _TM, "TokenizerManager.begin_weight_update", ("obj", "request"), True),
-    ApiUse("method", _TM, "TokenizerManager.end_weight_update", ("obj", "request"), True),
-    ApiUse("method", _TM, "TokenizerManager.update_weights_from_tensor", ("obj", "request"), True),
-    ApiUse("method", _TM, "TokenizerManager.flush_cache", (), is_async=True),
-    ApiUse("method", _TM, "TokenizerManager.update_weight_version", ("obj",), is_async=True),
-    ApiUse("method", _TM, "TokenizerManager.release_memory_occupation", ("obj", "request"), True),
-    ApiUse("method", _TM, "TokenizerManager.resume_memory_occupation", ("obj", "request"), True),
-    ApiUse("method", "sglang.srt.utils", "MultiprocessingSerializer.serialize", ("obj",), False),
-    # -- output format and literal values
-    ApiUse(
-        "literal",
-        _TM,
-        "generate output",
-        ("output_ids", "meta_info", "finish_reason", "output_token_logprobs", "weight_version"),
-        note="the dict one request returns",
-    ),
-    ApiUse(
-        "literal",
-        "sglang.srt.utils.weight_versions",
-        "per-token weight version spans",
-        ("weight_versions", "version", "start", "end"),
-    ),
-    ApiUse(
-        "literal",
-        "sglang.srt.managers.schedule_batch",
-        "finish reasons",
-        ("type", "stop", "length", "abort"),
-    ),
-    ApiUse("literal", _IO, "pause modes", ("retract",)),
-    ApiUse("literal", _IO, "FlushCacheReqOutput", ("success",), note="flush_cache() result"),
-    ApiUse(
-        "literal",
-        "sglang.srt.sampling.sampling_params",
-        "sampling parameter names",
-        (
-            "temperature",
-            "top_p",
-            "top_k",
-            "max_new_tokens",
-            "stop_token_ids",
-            "ignore_eos",
-            "sampling_seed",
-        ),
-    ),
-    ApiUse(
-        "literal",
-        "sglang.srt.environ",
-        "environment",
-        ("SGLANG_RETURN_ORIGINAL_LOGPROB",),
-        note="refused: it would return T = 1 logprobs",
-    ),
-    ApiUse(
-        "literal",
-        "sglang.srt.constants",
-        "memory tags",
-        ("weights", "kv_cache", "cuda_graph"),
-    ),
-)
-
+# SGLang's memory tags (release / resume occupation)
 _MEM_WEIGHTS, _MEM_KV, _MEM_GRAPH = "weights", "kv_cache", "cuda_graph"
 
 
 def _load_sglang_api() -> SimpleNamespace:
-    """Import the SGLang names the backend uses (lazily: SGLang needs CUDA torch)."""
+    """Import the SGLang names the backend uses (lazily: SGLang needs CUDA torch).
+
+    tests/sglang_api.py lists every piece of SGLang's API this module uses (these imports, the
+    methods, keywords and output keys) and tests/unit/test_sglang_api_compat.py checks it against
+    the pinned wheel's source and against this module's own calls."""
     try:
         from sglang.srt.entrypoints.engine import Engine
         from sglang.srt.managers.io_struct import (
@@ -525,11 +371,14 @@ class SGLangEngine:
     Args:
         model_path:          HF checkpoint folder (config.json; with ``load_format="dummy"`` only
                              the config is read and the weights come from ``publish_weights``).
+        model_args:          the trainer's :class:`minippo.models.ModelArgs` (the recipe passes
+                             it to every engine); kept as ``self.model_args``.
         mem_fraction_static: fraction of the GPU's memory for the engine's weights + KV cache.
         memory_mode:         "overlap" (share the GPU with the trainer at the same time) or
                              "sleep" (release the engine's memory around training).
-        dtype:               engine dtype ("bfloat16", "float16", "float32"); pushed weights are
-                             cast to it.
+        dtype:               the engine's compute dtype (config key ``engine.dtype``): "bfloat16"
+                             / "bf16", "float16" / "fp16", "float32" / "fp32", or a
+                             ``torch.dtype``; pushed weights are cast to it.
         local_rank:          GPU index among the visible ones; default: $LOCAL_RANK or 0.
         base_port:           ports: port = base_port + local_rank * port_stride, nccl_port =
         port_stride:         port + 1.
@@ -555,9 +404,10 @@ class SGLangEngine:
         self,
         model_path: str,
         *,
+        model_args: ModelArgs | None = None,
         mem_fraction_static: float = 0.5,
         memory_mode: MemoryMode = "overlap",
-        dtype: str = "bfloat16",
+        dtype: str | torch.dtype = "bfloat16",
         local_rank: int | None = None,
         base_port: int = 30000,
         port_stride: int = 8,
@@ -582,8 +432,7 @@ class SGLangEngine:
             )
         if memory_mode not in MEMORY_MODES:
             raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {memory_mode!r}")
-        if dtype not in ENGINE_DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(ENGINE_DTYPES)}, got {dtype!r}")
+        compute = compute_dtype(dtype)
         if weights_cpu_backup and memory_mode != "sleep":
             raise ValueError("weights_cpu_backup=True only makes sense with memory_mode='sleep'")
         if context_length is not None and int(context_length) < 2:
@@ -599,7 +448,7 @@ class SGLangEngine:
             port=port,
             nccl_port=nccl_port,
             mem_fraction_static=float(mem_fraction_static),
-            dtype=dtype,
+            dtype=str(compute).removeprefix("torch."),
             load_format=load_format,
             memory_mode=memory_mode,
             weights_cpu_backup=bool(weights_cpu_backup),
@@ -632,13 +481,14 @@ class SGLangEngine:
                 stacklevel=2,
             )
 
+        self.model_args = model_args
         self.memory_mode: str = memory_mode
         self.local_rank = int(local_rank)
         self.server_args: dict[str, Any] = kwargs
         self._context_length = kwargs["context_length"]
         self._sampling_backend = sampling_backend
         self._weights_cpu_backup = bool(weights_cpu_backup)
-        self._dtype = ENGINE_DTYPES[dtype]
+        self._dtype = compute
         self._device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else None
         self._version = int(version)
         self._stamped = int(version)  # newest version handed to the engine
@@ -704,6 +554,11 @@ class SGLangEngine:
     def version(self) -> int:
         """The weight version that the next sampled token will carry."""
         return self._version
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The engine's compute dtype (publish weights cast to it)."""
+        return self._dtype
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Complete every request (blocking; callable from a background thread)."""

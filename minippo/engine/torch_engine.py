@@ -13,30 +13,23 @@ engine re-prefills the active rows (prompt + tokens so far) with the new weights
 sampled after a publish is computed entirely by the new weights (no stale keys/values), which is
 exactly what "this token was sampled by version v" means to the corrections.
 
-Sampling (per row; each request owns a ``torch.Generator`` seeded by its ``seed``):
-    z = logits / T  (T = 1 for greedy),   logprob(token) = log_softmax(z)[token] over the full vocab
-    top-k / top-p remove tokens from z (never renormalising the reported logprob);
-    token = first index i with cdf_i > u · cdf_V,  cdf = running sum of exp(z_kept - max z) in
-            float64, u ~ U(0, 1): one uniform per row and step (inverse-CDF sampling, searched
-            block by block: see ``sample_next``)
-    greedy (T == 0): token = argmax(logits).
-Each row's random draws depend only on its own generator, so a seeded request gives the same tokens
-whatever else is in the batch (up to floating-point differences of batched matmuls).
+Sampling (``minippo.engine.sampling``): each request's uniforms are drawn once from a generator
+seeded by its ``seed``, so a seeded request gives the same tokens whatever else is in the batch (up
+to floating-point differences of batched matmuls).
 
-Kernels: on CPU (float32 / bfloat16, oneDNN) every linear layer of the engine's model copy runs
-with weights packed once per publish (``pack_linears``); see docs/engine.md.
+Kernels: on CPU (float32 / bfloat16, oneDNN) every linear layer of the engine's model runs with
+weights packed once per publish (``minippo.engine._cpu_kernels``); see docs/engine.md.
 
-Process model: ``TorchEngine(model)`` sends ``(ModelArgs, state dict)`` to a spawned child process
-that builds its own copy of the model and serves requests from a message queue, so generation
-really overlaps training in the parent. ``in_process=True`` runs the same serving loop in a thread of
-the calling process on a private copy of the model (for tests and debugging). The parent-side API
-is thread-safe.
+Process model: ``TorchEngine(model_args)`` starts a spawned child process that allocates its own
+model from the config (no weights are copied at start) and serves requests from a message queue,
+so generation really overlaps training in the parent; the first ``publish_weights`` fills it.
+``in_process=True`` runs the same serving loop in a thread of the calling process (for tests and
+debugging). The parent-side API is thread-safe.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import os
 import queue as queue_lib
@@ -45,195 +38,30 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from torch import nn
 
-from minippo.engine.protocol import Completion, GenerateRequest, WeightBucket, validate_requests
-from minippo.models import KVCache, Transformer, native_name
+from minippo.engine._cpu_kernels import onednn_linear_available, pack_linears
+from minippo.engine.protocol import (
+    Completion,
+    GenerateRequest,
+    WeightBucket,
+    compute_dtype,
+    validate_requests,
+)
+from minippo.engine.sampling import request_uniforms, sample_next
+from minippo.models import KVCache, ModelArgs, Transformer, native_name
 
 
 def default_num_threads() -> int:
     """Torch threads of the engine process: half the cores (1 on a 2-core machine)."""
     return max(1, (os.cpu_count() or 2) // 2)
-
-
-# ----------------------------------------------------------------------------------------------
-# Sampling (pure functions)
-
-
-_CDF_BLOCK = 256  # vocabulary block of the two-level inverse-CDF search in ``sample_next``
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    generators: Sequence[torch.Generator],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return ``(tokens Long[k], logprobs Float32[k])``.
-
-    logits Float[k, V]; temperature Float[k] (0 = greedy); top_k Long[k] (0 = off);
-    top_p Float[k] (1 = off); generators: one per row.
-
-    z = logits / T (T = 1 for greedy rows);  logprob = z[token] - logsumexp(z)  (full vocabulary)
-    sampling: inverse CDF of softmax(z restricted to top-k / top-p), one uniform u per row from
-    the row's own generator: token = first i with cdf_i > u * cdf_V, with cdf the running sum of
-    exp(z - max z) in float64. The search runs in two levels so that no [k, V] cumulative sum is
-    built: block sums (blocks of ``_CDF_BLOCK`` tokens) locate the block, one cumulative sum inside
-    that block locates the token.
-    """
-    k = logits.shape[0]
-    z = logits.float()
-    greedy = temperature <= 0
-    if bool((temperature != 1).any()):
-        z = z / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    zmax = z.amax(dim=-1, keepdim=True)
-    e = (z - zmax).exp_()  # softmax numerators, [k, V], max entry 1
-    sampled_rows = (~greedy).nonzero().flatten().tolist()
-    filtered = bool(((top_k > 0) | (top_p < 1))[~greedy].any()) if sampled_rows else False
-    block_mass = _block_sums(e)  # [k, n_blocks] float64
-    # logsumexp(z) = zmax + log Σ exp(z - zmax)
-    lse = zmax.squeeze(-1).double() + block_mass.sum(-1).log()
-    if len(sampled_rows) < k:
-        tokens = z.argmax(dim=-1)
-    else:
-        tokens = torch.empty(k, dtype=torch.long, device=logits.device)
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        all_rows = len(sampled_rows) == k
-        probs, mass = (e, block_mass) if all_rows else (e[rows], block_mass[rows])
-        if filtered:
-            probs = _filter_top_k_top_p(probs, top_k[rows], top_p[rows])
-            mass = _block_sums(probs)
-        u = torch.cat(
-            [torch.rand(1, generator=generators[r], device=e.device) for r in sampled_rows]
-        )
-        tokens[rows] = _inverse_cdf(probs, mass, u)
-    logprobs = (z.gather(-1, tokens[:, None]).squeeze(-1).double() - lse).float()
-    return tokens, logprobs
-
-
-def _block_sums(probs: torch.Tensor) -> torch.Tensor:
-    """Float64 sums of consecutive ``_CDF_BLOCK``-token blocks of ``probs [k, V]`` (the last
-    block may be shorter): ``[k, ceil(V / _CDF_BLOCK)]``."""
-    k, vocab = probs.shape
-    full = vocab // _CDF_BLOCK * _CDF_BLOCK
-    parts = []
-    if full:
-        parts.append(probs[:, :full].reshape(k, -1, _CDF_BLOCK).sum(-1, dtype=torch.float64))
-    if full < vocab:
-        parts.append(probs[:, full:].sum(-1, keepdim=True, dtype=torch.float64))
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-
-
-def _inverse_cdf(probs: torch.Tensor, block_mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """First index i with cdf_i > u * cdf_V per row (``probs [k, V] >= 0``, unnormalised;
-    ``block_mass = _block_sums(probs)``; ``u [k]`` in [0, 1)). The drawn token always has
-    positive mass, whatever the rounding of the two summation orders."""
-    k, vocab = probs.shape
-    block_cdf = block_mass.cumsum(dim=-1)
-    target = u.double() * block_cdf[:, -1]
-    n_blocks = block_cdf.shape[1]
-    b = torch.searchsorted(block_cdf, target[:, None], right=True).clamp_(max=n_blocks - 1)
-    before = block_cdf.gather(1, b).squeeze(-1) - block_mass.gather(1, b).squeeze(-1)
-    # the tokens of each row's block (a short last block is padded with zero mass)
-    idx = b * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=probs.device)[None, :]
-    inside = idx < vocab
-    seg = probs.gather(1, idx.clamp(max=vocab - 1)).masked_fill_(~inside, 0.0)
-    seg_cdf = seg.double().cumsum_(dim=-1)
-    rest = (target - before).clamp_(min=0.0)[:, None]  # >= 0: the first pick has positive mass
-    j = torch.searchsorted(seg_cdf, rest, right=True).squeeze(-1)
-    # rounding can put the target past the block's last positive token: take that token then
-    positive = torch.arange(_CDF_BLOCK, device=probs.device)[None, :].expand(k, -1)
-    last_positive = positive.masked_fill(seg <= 0, -1).amax(dim=-1)
-    j = torch.minimum(j, last_positive)
-    return b.squeeze(-1) * _CDF_BLOCK + j
-
-
-def _filter_top_k_top_p(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Zero the (unnormalised) probabilities outside each row's top-k and top-p nucleus.
-
-    probs Float[k, V] >= 0. top-k keeps ranks < k (k = 0: all); top-p keeps a token when the
-    normalised mass of the tokens ranked before it is < p (the most likely token is always kept).
-    Rows with neither filter come back unchanged.
-
-    Only the head of each row is ranked: ``topk(n)`` with n = 64, 1024, 16384, ... until every
-    filtered row's cut falls inside its first n tokens, because sorting all V entries costs far
-    more than a decode step; once n would pass V / 8 the rows are sorted instead.
-    """
-    vocab = probs.shape[-1]
-    filtered = (top_k > 0) | (top_p < 1)
-    total = probs.sum(-1, keepdim=True, dtype=torch.float64)
-    n = min(vocab, max(64, int(top_k.max())))
-    while True:
-        if n >= vocab:
-            vals, order = probs.sort(dim=-1, descending=True)
-        else:
-            vals, order = probs.topk(n, dim=-1)  # sorted, descending
-        rank = torch.arange(vals.shape[-1], device=probs.device)[None, :]
-        keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-        mass_before = (vals.double().cumsum(dim=-1) - vals.double()) / total
-        keep &= (top_p[:, None] >= 1) | (mass_before < top_p[:, None].double())  # 1: off
-        if n >= vocab or not bool((keep[:, -1] & filtered).any()):
-            break
-        n = 16 * n if 16 * n <= vocab // 8 else vocab
-    out = torch.zeros_like(probs).scatter_(-1, order, vals.masked_fill(~keep, 0.0))
-    return torch.where(filtered[:, None], out, probs)
-
-
-def _onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN's packed linear kernel can run on ``device`` in ``dtype``."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
-
-
-class _PackedLinear(nn.Module):
-    """An ``nn.Linear``'s own parameters, applied with oneDNN's packed CPU kernel.
-
-    The weight is reordered once into oneDNN's blocked layout (``repack()``, after every weight
-    change) instead of on every call: for the decode shapes (a few dozen rows) this runs the
-    matmuls up to about twice as fast as ``F.linear`` (same math; docs/benchmarks.md). The
-    parameters stay the module's ``weight`` / ``bias``, so names and publishes are unchanged.
-    """
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.repack()
-
-    def repack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def pack_linears(model: nn.Module) -> list[_PackedLinear]:
-    """Replace every ``nn.Linear`` of ``model`` (the engine's private copy) by a
-    :class:`_PackedLinear` sharing its parameters; return them (call ``repack()`` after loading
-    new weights). Needs :func:`_onednn_linear_available` for the model's device and dtype."""
-    packed = []
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                new = _PackedLinear(child)
-                setattr(parent, name, new)
-                packed.append(new)
-    return packed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,7 +74,7 @@ class _Row:
 
     request: GenerateRequest
     call_id: int
-    generator: torch.Generator
+    seed: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -267,16 +95,29 @@ class _Abort(Exception):
     """Raised inside a wave when abort() arrives."""
 
 
+_LATER = object()  # a handler's result: the reply is sent later (generate: when its rows finish)
+
+
+def _empty_model(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """The engine's model, allocated in ``dtype`` on ``device`` but not initialised: its values
+    come from the first publish."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return model.to(dtype=dtype).to_empty(device=device).eval()  # to_empty re-ties the lm_head
+
+
 class _Server:
-    """Owns the model copy; serves messages ``(kind, call_id, payload)`` from ``inbox``.
+    """Owns the engine's model; serves messages ``(kind, call_id, payload)`` from ``inbox``.
 
     Replies ``("ok", call_id, result)`` or ``("error", call_id, message)`` go to ``outbox``.
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        model_args: ModelArgs,
         *,
+        device: torch.device,
+        dtype: torch.dtype,
         version: int,
         seed: int,
         max_batch_size: int,
@@ -284,19 +125,22 @@ class _Server:
         inbox: Any,
         outbox: Any,
     ) -> None:
-        self.model = model.eval()
+        self.model = _empty_model(model_args, device, dtype)
+        self.device, self.dtype = device, dtype
         self.version = version
         self.max_batch_size = max_batch_size
         self.compact = compact
         self.inbox, self.outbox = inbox, outbox
         self.seed_rng = random.Random(seed)
         # every name, tied ones included (a tied lm_head, if sent, lands in the embedding)
-        self.params = dict(model.named_parameters(remove_duplicate=False))
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        # parameters no publish has filled yet (first names of tied ones): the first must fill all
+        first_name = {id(p): n for n, p in self.model.named_parameters()}
+        self.canonical = {n: first_name[id(p)] for n, p in self.params.items()}
+        self.unfilled = set(first_name.values())
         # CPU float32 / bfloat16 with oneDNN: every linear layer (lm_head included) runs with
         # weights packed once per publish; elsewhere the model's own nn.Linear layers
-        packable = _onednn_linear_available(self.device, self.dtype)
+        packable = onednn_linear_available(self.device, self.dtype)
         self.linear_kernel = "onednn_packed" if packable else "torch"
         self.packed = pack_linears(self.model) if packable else []
         self.waiting: list[_Row] = []
@@ -306,6 +150,17 @@ class _Server:
         self.stale_cache = False
         self.running = True
         self.stats = {"waves": 0, "decode_steps": 0, "row_steps": 0, "reprefills": 0}
+        self.handlers: dict[str, Callable[[int, Any], Any]] = {
+            "generate": self._on_generate,
+            "pause": self._on_pause,
+            "resume": self._on_resume,
+            "publish_begin": self._publish,
+            "abort": lambda call_id, _: self._abort_all(),
+            "stats": lambda call_id, _: {**self.stats, "linear_kernel": self.linear_kernel},
+            "sleep": lambda call_id, _: self._sleep_wake("sleep"),
+            "wake": lambda call_id, _: self._sleep_wake("wake"),
+            "shutdown": self._on_shutdown,
+        }
 
     # -- message loop ------------------------------------------------------------------------
     def serve(self) -> None:
@@ -339,54 +194,41 @@ class _Server:
     def _handle(self, msg: tuple) -> None:
         kind, call_id, payload = msg
         try:
-            if kind == "generate":
-                rows = []
-                for req in payload:
-                    seed = req.params.seed
-                    if seed is None:
-                        seed = self.seed_rng.randrange(1 << 62)
-                    gen = torch.Generator(device=self.device).manual_seed(seed)
-                    rows.append(_Row(req, call_id, gen))
-                self.calls[call_id] = rows
-                self.waiting.extend(rows)
-                return  # replied when all rows finish
-            if kind == "pause":
-                self.paused = True
-            elif kind == "resume":
-                self.paused = False
-            elif kind == "publish_begin":
-                self._publish(call_id, payload)
-            elif kind == "abort":
-                self._reply(call_id, self._abort_all())
-                return
-            elif kind == "progress":
-                result = {
-                    r.request.request_id: len(r.token_ids)
-                    for r in self.active
-                    if r.finish_reason is None
-                }
-                result.update({r.request.request_id: 0 for r in self.waiting})
-                self._reply(call_id, result)
-                return
-            elif kind == "stats":
-                self._reply(call_id, {**self.stats, "linear_kernel": self.linear_kernel})
-                return
-            elif kind in ("sleep", "wake"):
-                self._sleep_wake(kind)
-            elif kind == "shutdown":
-                self._abort_all()
-                self.running = False
-            else:
+            if kind not in self.handlers:
                 raise ValueError(f"unknown engine message {kind!r}")
-            self._reply(call_id, None)
+            result = self.handlers[kind](call_id, payload)
+            if result is not _LATER:
+                self._reply(call_id, result)
         except Exception:
             self.outbox.put(("error", call_id, traceback.format_exc()))
+
+    def _on_generate(self, call_id: int, requests: list[GenerateRequest]) -> object:
+        rows = []
+        for req in requests:
+            seed = req.params.seed
+            if seed is None:
+                seed = self.seed_rng.randrange(1 << 62)
+            rows.append(_Row(req, call_id, seed))
+        self.calls[call_id] = rows
+        self.waiting.extend(rows)
+        return _LATER  # replied when all rows finish
+
+    def _on_pause(self, call_id: int, _: None) -> None:
+        self.paused = True
+
+    def _on_resume(self, call_id: int, _: None) -> None:
+        self.paused = False
+
+    def _on_shutdown(self, call_id: int, _: None) -> None:
+        self._abort_all()
+        self.running = False
 
     def _publish(self, call_id: int, version: int) -> None:
         """Apply buckets until ``publish_end``; other messages meanwhile are handled normally.
 
         A bad name or shape fails the publish (after reading the rest of it) and leaves the
-        weights partly updated and the version unchanged: publish again.
+        weights partly updated and the version unchanged: publish again. Until every parameter
+        has been sent once, a publish fails too (the engine starts with uninitialised weights).
         """
         error: Exception | None = None
         while True:
@@ -404,6 +246,13 @@ class _Server:
                 error = e
         if error is not None:
             raise error
+        if self.unfilled:
+            missing = sorted(self.unfilled)
+            raise ValueError(
+                f"publish_weights: the engine starts without weights and {len(missing)} of its "
+                f"parameters were never sent ({', '.join(missing[:5])}"
+                f"{', ...' if len(missing) > 5 else ''}); the first publish must send them all"
+            )
         for layer in self.packed:
             layer.repack()
         self.version = version
@@ -422,6 +271,7 @@ class _Server:
                     f"engine's parameter has {tuple(p.shape)}"
                 )
             p.copy_(tensor)
+            self.unfilled.discard(self.canonical[native])
 
     def _sleep_wake(self, kind: str) -> None:
         if self.active or self.waiting:
@@ -507,6 +357,13 @@ class _Server:
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         stops = [set(p.stop_token_ids) for p in params]
+        # uniforms[i, t]: the uniform that draws token t of row i (greedy rows draw none)
+        uniforms = torch.zeros(k, max_new)
+        for i, r in enumerate(rows):
+            if r.request.params.temperature > 0:
+                n = r.request.params.max_new_tokens
+                uniforms[i, :n] = request_uniforms(r.seed, n)
+        uniforms = uniforms.to(dev)
 
         col = p_len  # column of the next sampled tokens
         no_padding = bool(mask.all())
@@ -515,7 +372,7 @@ class _Server:
         self.stale_cache = False
         while True:
             tokens, logprobs = sample_next(
-                logits, temperature, top_k, top_p, [r.generator for r in rows]
+                logits, temperature, top_k, top_p, uniforms[:, col - p_len]
             )
             version = self.version
             finished_now = False
@@ -545,6 +402,7 @@ class _Server:
                     stops = [stops[i] for i in alive]
                     seq, mask, tokens, pos = seq[idx], mask[idx], tokens[idx], pos[idx]
                     temperature, top_k, top_p = temperature[idx], top_k[idx], top_p[idx]
+                    uniforms = uniforms[idx]
                     cache.keep(idx)
                     self.active = rows
             self._poll()
@@ -575,26 +433,15 @@ class _Server:
 
 
 def _serve_in_child(spec: dict, inbox: Any, outbox: Any) -> None:
-    """Entry point of the engine process: build the model copy, then serve until shutdown."""
+    """Entry point of the engine process: allocate the model, then serve until shutdown."""
     torch.set_num_threads(spec["num_threads"])
-    model = _build_model(spec)
+    try:
+        server = _Server(inbox=inbox, outbox=outbox, **spec["server"])
+    except Exception:
+        outbox.put(("error", 0, traceback.format_exc()))
+        return
     outbox.put(("ok", 0, "ready"))
-    server = _Server(model, inbox=inbox, outbox=outbox, **spec["server"])
     server.serve()
-
-
-def _build_model(spec: dict) -> nn.Module:
-    with torch.device("meta"):
-        model = Transformer(spec["args"])
-    model = model.to_empty(device=spec["device"])
-    missing, unexpected = model.load_state_dict(spec["state_dict"], strict=False)
-    missing = [
-        m for m in missing if not (m == "output.weight" and spec["args"].tie_word_embeddings)
-    ]
-    if missing or unexpected:
-        raise ValueError(f"engine model state dict mismatch: {missing=} {unexpected=}")
-    model.tie_weights()  # no-op unless tie_word_embeddings (Transformer._apply re-ties too)
-    return model.to(spec["dtype"]).eval()
 
 
 def _shared_copy(t: torch.Tensor) -> torch.Tensor:
@@ -611,63 +458,76 @@ def _shared_copy(t: torch.Tensor) -> torch.Tensor:
 class TorchEngine:
     """The embedded rollout engine (implements :class:`~minippo.engine.RolloutEngine`).
 
+    Built from the model config: it allocates its own model (in its process) and holds no valid
+    weights until the first :meth:`publish_weights`; ``generate`` refuses until then.
+
     Args:
-        model:          a :class:`minippo.models.Transformer`; the engine builds its own copy from
-                        ``model.args`` and ``model.state_dict()`` (the trainer's model is untouched).
-        version:        version of these weights (0 at the start of training; the checkpoint's
-                        step when resuming).
+        model_args:     the :class:`minippo.models.ModelArgs` of the policy (the trainer's
+                        ``model.args``); the recipe passes it.
+        dtype:          the engine's compute dtype (config key ``engine.dtype``): "float32" /
+                        "fp32", "bfloat16" / "bf16", "float16" / "fp16", or a ``torch.dtype``.
+                        Weights, activations and the KV cache are in it; sampling runs in fp32.
+        device:         where the engine's model lives (default CPU).
+        version:        the weight version the engine starts at (the first publish may not go
+                        below it).
         in_process:     run the serving loop in a thread of this process instead of a spawned
                         process (same code; for tests and debugging).
         num_threads:    torch threads of the engine process (default: half the cores, 1 on a
                         2-core machine). Ignored in-process.
-        device, dtype:  where and in which dtype the engine's copy lives (default: CPU, the
-                        model's dtype).
         max_batch_size: most rows decoded together; more waiting requests form the next wave.
         compact:        drop finished rows from the batch (KVCache.keep). False keeps computing
                         them until the whole wave is done (only useful to measure the gain).
         seed:           seeds the per-request seeds of requests without one.
-        start_timeout:  seconds to wait for the engine process to build its model.
+        start_timeout:  seconds to wait for the engine process to allocate its model.
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        model_args: ModelArgs,
         *,
+        dtype: str | torch.dtype = "float32",
+        device: torch.device | str = "cpu",
         version: int = 0,
         in_process: bool = False,
         num_threads: int | None = None,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype | None = None,
         max_batch_size: int = 256,
         compact: bool = True,
         seed: int = 0,
         start_timeout: float = 300.0,
     ) -> None:
-        if not hasattr(model, "args") or not hasattr(model, "output"):
+        if not isinstance(model_args, ModelArgs):
             raise TypeError(
-                f"TorchEngine needs a minippo.models.Transformer, got {type(model).__name__}"
+                f"TorchEngine is built from the model config (minippo.models.ModelArgs, e.g. "
+                f"model.args), got {type(model_args).__name__}; its weights come from "
+                "publish_weights"
             )
         if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.args = model.args
-        self.max_seq_len = int(model.args.max_seq_len)
+            raise ValueError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
+        self.args = model_args
+        self.max_seq_len = int(model_args.max_seq_len)
         self.in_process = in_process
+        self._dtype = compute_dtype(dtype)
         self._version = int(version)
+        self._has_weights = False  # until the first publish succeeds
         self._ids = itertools.count(1)
-        self._pending: dict[int, list] = {}  # call id -> [Event, status, result]
+        self._pending: dict[int, Future] = {}  # call id -> the reply
         self._lock = threading.Lock()  # guards _pending and message sends
         self._control = threading.Lock()  # one control operation (publish/pause/...) at a time
         self._closed = False
         self._process = None
-        dtype = dtype or next(model.parameters()).dtype
         server_kw = dict(
-            version=self._version, seed=seed, max_batch_size=max_batch_size, compact=compact
+            model_args=model_args,
+            device=torch.device(device),
+            dtype=self._dtype,
+            version=self._version,
+            seed=seed,
+            max_batch_size=max_batch_size,
+            compact=compact,
         )
         if in_process:
             self._inbox: Any = queue_lib.Queue()
             self._outbox: Any = queue_lib.Queue()
-            engine_model = copy.deepcopy(model).to(device=device, dtype=dtype)
-            server = _Server(engine_model, inbox=self._inbox, outbox=self._outbox, **server_kw)
+            server = _Server(inbox=self._inbox, outbox=self._outbox, **server_kw)
             self._server_thread = threading.Thread(
                 target=server.serve, name="torch-engine", daemon=True
             )
@@ -676,24 +536,11 @@ class TorchEngine:
             ctx = mp.get_context("spawn")
             self._inbox = ctx.Queue()
             self._outbox = ctx.Queue()
-            spec = {
-                "args": model.args,
-                # a tied lm_head is the embedding: sent once, re-tied by _build_model
-                "state_dict": {
-                    k: _shared_copy(v)
-                    for k, v in model.state_dict().items()
-                    if not (k == "output.weight" and model.args.tie_word_embeddings)
-                },
-                "device": str(device),
-                "dtype": dtype,
-                "num_threads": num_threads or default_num_threads(),
-                "server": server_kw,
-            }
+            spec = {"num_threads": num_threads or default_num_threads(), "server": server_kw}
             self._process = ctx.Process(
                 target=_serve_in_child, args=(spec, self._inbox, self._outbox), daemon=True
             )
             self._process.start()
-            del spec
             status, _, result = self._read(timeout=start_timeout)
             if status != "ok" or result != "ready":
                 self._process.kill()
@@ -710,10 +557,20 @@ class TorchEngine:
     def version(self) -> int:
         return self._version
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The engine's compute dtype (publish weights cast to it)."""
+        return self._dtype
+
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Complete ``requests`` (validated first); blocks; thread-safe."""
         requests = list(requests)
         validate_requests(requests, max_seq_len=self.max_seq_len, vocab_size=self.args.vocab_size)
+        if not self._has_weights:
+            raise RuntimeError(
+                "no weights published yet: TorchEngine is built empty from the model config; "
+                "call publish_weights(...) before generate"
+            )
         if not requests:
             return []
         return self._call("generate", requests)
@@ -722,6 +579,7 @@ class TorchEngine:
         """Copy (HF or native name, tensor) buckets into the engine's weights; stamp ``version``.
 
         Applied between two decode steps; in-flight rows then re-prefill under the new weights.
+        The first publish must send every parameter (the tied lm_head excepted).
         """
         version = int(version)
         if version < self._version:
@@ -729,7 +587,7 @@ class TorchEngine:
                 f"version must not decrease: got {version}, engine has {self._version}"
             )
         with self._control:
-            cid, event = self._open_call()
+            cid, reply = self._open_call()
             self._send("publish_begin", cid, version)
             keep = []  # shared-memory buffers stay alive until the engine has applied them
             try:
@@ -742,8 +600,9 @@ class TorchEngine:
                     self._send("publish_bucket", cid, sent)
             finally:
                 self._send("publish_end", cid, None)
-            self._wait(cid, event)
+            self._wait(cid, reply)
             self._version = version
+            self._has_weights = True
 
     def pause(self) -> None:
         """Returns once no forward pass runs; in-flight requests keep their state."""
@@ -768,10 +627,6 @@ class TorchEngine:
         with self._control:
             self._call("wake", None)
 
-    def inflight_tokens(self) -> dict[str, int]:
-        """request id -> tokens generated so far, for requests not yet finished."""
-        return self._call("progress", None)
-
     def stats(self) -> dict[str, int | str]:
         """Counters: waves, decode_steps, row_steps (rows summed over steps), reprefills; and
         ``linear_kernel``: ``"onednn_packed"`` (CPU, float32 / bfloat16, weights packed once per
@@ -795,9 +650,9 @@ class TorchEngine:
         self._reader.join(timeout=5)
         self._finalizer.detach()
         with self._lock:
-            for entry in self._pending.values():
-                entry[1:] = ["error", "the engine was shut down"]
-                entry[0].set()
+            for reply in self._pending.values():
+                if not reply.done():
+                    reply.set_exception(RuntimeError("the engine was shut down"))
 
     def __enter__(self) -> TorchEngine:
         return self
@@ -806,36 +661,42 @@ class TorchEngine:
         self.shutdown()
 
     # -- messaging ---------------------------------------------------------------------------------
-    def _open_call(self) -> tuple[int, threading.Event]:
+    def _open_call(self) -> tuple[int, Future]:
         if self._closed:
             raise RuntimeError("the engine was shut down")
-        event = threading.Event()
+        reply: Future = Future()
         with self._lock:
             cid = next(self._ids)
-            self._pending[cid] = [event, None, None]
-        return cid, event
+            self._pending[cid] = reply
+        return cid, reply
 
     def _send(self, kind: str, cid: int, payload: Any) -> None:
         with self._lock:
             self._inbox.put((kind, cid, payload))
 
     def _call(self, kind: str, payload: Any, timeout: float | None = None) -> Any:
-        cid, event = self._open_call()
+        cid, reply = self._open_call()
         self._send(kind, cid, payload)
-        return self._wait(cid, event, timeout)
+        return self._wait(cid, reply, timeout)
 
-    def _wait(self, cid: int, event: threading.Event, timeout: float | None = None) -> Any:
+    def _wait(self, cid: int, reply: Future, timeout: float | None = None) -> Any:
+        """The reply's result; raises if the engine process dies or ``timeout`` s pass first."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not event.wait(timeout=1.0):
-            if self._process is not None and not self._process.is_alive():
-                raise RuntimeError(f"the engine process died (exit code {self._process.exitcode})")
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"engine call {cid} timed out after {timeout} s")
-        with self._lock:
-            _, status, result = self._pending.pop(cid)
-        if status == "error":
-            raise RuntimeError(f"engine error:\n{result}")
-        return result
+        try:
+            while True:
+                try:
+                    return reply.result(timeout=1.0)
+                except FutureTimeout:
+                    if self._process is not None and not self._process.is_alive():
+                        code = self._process.exitcode
+                        raise RuntimeError(f"the engine process died (exit code {code})") from None
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"engine call {cid} timed out after {timeout} s"
+                        ) from None
+        finally:
+            with self._lock:
+                self._pending.pop(cid, None)
 
     def _read(self, timeout: float | None = None) -> tuple:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -861,10 +722,13 @@ class TorchEngine:
             if cid == -1:  # the server's closing reply
                 return
             with self._lock:
-                entry = self._pending.get(cid)
-                if entry is not None:
-                    entry[1:] = [status, result]
-                    entry[0].set()
+                reply = self._pending.get(cid)
+                if reply is None or reply.done():
+                    continue
+                if status == "error":
+                    reply.set_exception(RuntimeError(f"engine error:\n{result}"))
+                else:
+                    reply.set_result(result)
 
 
 def _shutdown_quietly(inbox: Any, process: Any) -> None:

@@ -133,9 +133,12 @@ def main() -> None:
             Path(model_path).mkdir(parents=True, exist_ok=True)
             (Path(model_path) / "config.json").write_text(json.dumps(_tiny_config()))
         dist.barrier()
+    with open(Path(model_path) / "config.json") as f:
+        args = model_args_from_hf_config(json.load(f))
     t0 = time.perf_counter()
-    engine = SGLangEngine(
+    engine = SGLangEngine(  # as the recipe builds it: the config node plus model_args
         model_path,
+        model_args=args,
         mem_fraction_static=a.mem_fraction,
         memory_mode="sleep",
         dtype="bfloat16",
@@ -153,8 +156,6 @@ def main() -> None:
             pass
 
         # 2. trainer: FSDP2 (fp32 master weights), publish version 0
-        with open(Path(model_path) / "config.json") as f:
-            args = model_args_from_hf_config(json.load(f))
         if a.model_path is None:
             model = init_weights(Transformer(args), seed=0, std=0.02)
         else:
@@ -163,7 +164,7 @@ def main() -> None:
         bucket_bytes = a.bucket_mb << 20
         t0 = time.perf_counter()
         engine.publish_weights(
-            full_tensor_buckets(model, bucket_bytes=bucket_bytes, dtype=torch.bfloat16), version=0
+            full_tensor_buckets(model, bucket_bytes=bucket_bytes, dtype=engine.dtype), version=0
         )
         log.append(f"publish {time.perf_counter() - t0:.2f}s")
 
@@ -195,7 +196,7 @@ def main() -> None:
             for prm in model.parameters():
                 prm.add_(torch.randn_like(prm) * 0.01)
         engine.publish_weights(
-            full_tensor_buckets(model, bucket_bytes=bucket_bytes, dtype=torch.bfloat16), version=1
+            full_tensor_buckets(model, bucket_bytes=bucket_bytes, dtype=engine.dtype), version=1
         )
         engine.resume()
         (c,) = _joined(t, box)
@@ -222,7 +223,7 @@ def main() -> None:
         assert free_asleep > free_awake + (64 << 20), (free_awake, free_asleep)
         engine.wake()
         engine.publish_weights(
-            full_tensor_buckets(model, bucket_bytes=bucket_bytes, dtype=torch.bfloat16), version=2
+            full_tensor_buckets(model, bucket_bytes=bucket_bytes, dtype=engine.dtype), version=2
         )
         outs = engine.generate(
             [

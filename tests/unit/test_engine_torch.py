@@ -12,22 +12,24 @@ import time
 import pytest
 import torch
 
+from minippo.config import instantiate
 from minippo.engine import GenerateRequest, SamplingParams
-from minippo.engine.torch_engine import (
-    TorchEngine,
-    _block_sums,
-    _filter_top_k_top_p,
-    _inverse_cdf,
-    _onednn_linear_available,
-    pack_linears,
+from minippo.engine._cpu_kernels import onednn_linear_available, pack_linears
+from minippo.engine.sampling import (
+    block_sums,
+    filter_top_k_top_p,
+    inverse_cdf,
+    request_uniforms,
     sample_next,
 )
+from minippo.engine.torch_engine import TorchEngine
 from minippo.models import Transformer, hf_name, init_weights, qwen3_tiny, token_logprobs
 from minippo.training.rollout_queue import collate_completions
 from tests.engine_suite import (
     EngineHarness,
     EngineProtocolSuite,
     one_torch_thread,  # noqa: F401 (autouse: one torch thread for this module)
+    publish_model,
     reference_logprobs_of,
 )
 
@@ -55,7 +57,7 @@ reference_logprobs = reference_logprobs_of(model_of)
 
 def harness_for(in_process: bool) -> EngineHarness:
     return EngineHarness(
-        make_engine=lambda: TorchEngine(model_of(0), in_process=in_process),
+        make_engine=lambda: publish_model(TorchEngine(ARGS, in_process=in_process), model_of(0)),
         vocab_size=ARGS.vocab_size,
         max_seq_len=ARGS.max_seq_len,
         weights=weights,
@@ -72,7 +74,7 @@ class TestTorchEngineProtocol(EngineProtocolSuite):
 
 @pytest.fixture
 def engine():
-    eng = TorchEngine(model_of(0), in_process=True)
+    eng = publish_model(TorchEngine(ARGS, in_process=True), model_of(0))
     yield eng
     eng.shutdown()
 
@@ -126,12 +128,13 @@ def test_response_spanning_a_publish_has_both_versions_at_the_right_positions(en
     t = threading.Thread(target=lambda: result.update(c=engine.generate([r])[0]))
     t.start()
     deadline = time.time() + 60
-    while engine.inflight_tokens().get("span", 0) < 5:
+    while engine.stats()["decode_steps"] < 5:  # one token per decode step
         assert time.time() < deadline
+        time.sleep(0.001)
     engine.pause()
-    n_old = engine.inflight_tokens()["span"]
+    n_old = engine.stats()["decode_steps"]
     time.sleep(0.05)
-    assert engine.inflight_tokens()["span"] == n_old  # paused: no progress
+    assert engine.stats()["decode_steps"] == n_old  # paused: no progress
     engine.publish_weights(weights(1), version=1)
     engine.resume()
     t.join(60)
@@ -166,7 +169,7 @@ def test_abort_mid_generation_keeps_the_tokens_so_far(engine):
     out = {}
     t = threading.Thread(target=lambda: out.update(c=engine.generate([r])[0]))
     t.start()
-    while engine.inflight_tokens().get("a", 0) < 3:
+    while engine.stats()["decode_steps"] < 3:  # one token per decode step
         time.sleep(0.001)
     (partial,) = engine.abort()
     t.join(60)
@@ -183,7 +186,8 @@ def test_compaction_gives_the_same_samples_with_fewer_row_steps():
     ]
     outs, stats = {}, {}
     for compact in (True, False):
-        with TorchEngine(model_of(0), in_process=True, compact=compact) as eng:
+        with TorchEngine(ARGS, in_process=True, compact=compact) as eng:
+            publish_model(eng, model_of(0))
             outs[compact] = eng.generate(reqs)
             stats[compact] = eng.stats()
     for a, b in zip(outs[True], outs[False]):
@@ -196,13 +200,13 @@ def test_compaction_gives_the_same_samples_with_fewer_row_steps():
 def test_sample_next_top_k_top_p_and_greedy():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
-    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    gen = torch.Generator().manual_seed(0)
     temp = torch.tensor([0.0, 1.0, 1.0, 0.5])
     top_k = torch.tensor([0, 1, 3, 0])
     top_p = torch.tensor([1.0, 1.0, 1.0, 1e-6])
     top3 = logits[2].topk(3).indices.tolist()
     for _ in range(20):
-        tok, lp = sample_next(logits, temp, top_k, top_p, gens)
+        tok, lp = sample_next(logits, temp, top_k, top_p, torch.rand(4, generator=gen))
         assert tok[0] == logits[0].argmax() and tok[1] == logits[1].argmax()
         assert tok[2] in top3 and tok[3] == logits[3].argmax()
     # reported logprob: log_softmax(logits / T) over the full vocabulary (not renormalised)
@@ -210,10 +214,11 @@ def test_sample_next_top_k_top_p_and_greedy():
     assert torch.allclose(lp, full.gather(-1, tok[:, None]).squeeze(-1))
     # without filtering the empirical distribution matches softmax(logits / T)
     small = torch.tensor([[0.0, 1.0, 2.0]])
-    g = [torch.Generator().manual_seed(0)]
     counts = torch.zeros(3)
-    for _ in range(3000):
-        t, _ = sample_next(small, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]), g)
+    for u in request_uniforms(0, 3000):
+        t, _ = sample_next(
+            small, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1), u[None]
+        )
         counts[t] += 1
     assert torch.allclose(counts / 3000, torch.softmax(small[0], -1), atol=0.03)
 
@@ -231,13 +236,13 @@ def test_two_level_inverse_cdf_draws_what_a_full_float64_cumsum_draws(vocab):
         u = torch.rand(16, generator=gen)
         cdf = probs.double().cumsum(-1)
         want = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)
-        got = _inverse_cdf(probs, _block_sums(probs), u)
+        got = inverse_cdf(probs, block_sums(probs), u)
         assert torch.equal(got, want.squeeze(-1))
         assert bool((probs.gather(1, got[:, None]) > 0).all())
     # u right at the ends of [0, 1) still lands on tokens with mass
     probs = torch.zeros(2, vocab)
     probs[:, vocab // 2] = 1.0
-    edges = _inverse_cdf(probs, _block_sums(probs), torch.tensor([0.0, 1 - 2**-24]))
+    edges = inverse_cdf(probs, block_sums(probs), torch.tensor([0.0, 1 - 2**-24]))
     assert edges.tolist() == [vocab // 2, vocab // 2]
 
 
@@ -255,13 +260,13 @@ def test_top_k_top_p_filter_equals_ranking_the_whole_vocabulary():
         keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
         keep &= (top_p[:, None] >= 1) | (mass_before < top_p[:, None])  # top_p = 1: off
         want = torch.zeros_like(keep).scatter(-1, order, keep)
-        got = _filter_top_k_top_p(probs, top_k, top_p)
+        got = filter_top_k_top_p(probs, top_k, top_p)
         assert torch.equal(got > 0, want), (vocab, scale)
         assert torch.equal(got[want], probs[want])  # kept mass is not renormalised
 
 
 @pytest.mark.skipif(
-    not _onednn_linear_available(torch.device("cpu"), torch.float32), reason="needs oneDNN"
+    not onednn_linear_available(torch.device("cpu"), torch.float32), reason="needs oneDNN"
 )
 def test_packed_linears_keep_names_and_outputs_and_follow_publishes():
     model = init_weights(
@@ -286,7 +291,7 @@ def test_packed_linears_keep_names_and_outputs_and_follow_publishes():
         for p in model.parameters():
             p.mul_(0.5)
         assert (packed_model(ids) - model(ids)).abs().max() <= 1e-5
-    with TorchEngine(model_of(0), in_process=True) as eng:
+    with TorchEngine(ARGS, in_process=True) as eng:
         assert eng.stats()["linear_kernel"] == "onednn_packed"
 
 
@@ -296,15 +301,17 @@ def test_prompt_ids_outside_the_vocabulary_are_refused(engine):
 
 
 def test_engine_process_generates_publishes_and_shuts_down_cleanly():
-    eng = TorchEngine(model_of(0), num_threads=1)
+    eng = TorchEngine(ARGS, num_threads=1)
     proc = eng._process
     try:
         assert proc.is_alive()
         r = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=8, seed=4), "p")
+        publish_model(eng, model_of(0))
         (c,) = eng.generate([r])
         ref = reference_logprobs(0, r.prompt_ids, c.token_ids, 1.0)
         assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) <= 1e-4
-        with TorchEngine(model_of(0), in_process=True) as same:  # same logic in-process
+        with TorchEngine(ARGS, in_process=True) as same:  # same logic in-process
+            publish_model(same, model_of(0))
             assert same.generate([r])[0].token_ids == c.token_ids
         eng.publish_weights(weights(1), version=1)
         (c1,) = eng.generate([r])
@@ -317,3 +324,58 @@ def test_engine_process_generates_publishes_and_shuts_down_cleanly():
     eng.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate([r])
+
+
+def test_built_from_the_config_and_refuses_to_generate_before_the_first_publish():
+    """The recipe builds every engine as ``instantiate(cfg.engine, model_args=...)``; the engine
+    starts without weights and the first publish must fill every parameter."""
+    eng = instantiate(
+        {"_component_": "minippo.engine.torch_engine.TorchEngine", "in_process": True},
+        model_args=ARGS,
+    )
+    with eng:
+        assert eng.dtype == torch.float32 and eng.version == 0
+        r = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4, seed=0), "a")
+        with pytest.raises(RuntimeError, match="no weights published yet"):
+            eng.generate([r])
+        first, second = weights(0)
+        with pytest.raises(RuntimeError, match="never sent"):
+            eng.publish_weights([first], version=0)
+        with pytest.raises(RuntimeError, match="no weights published yet"):
+            eng.generate([r])
+        eng.publish_weights([second], version=0)  # now every parameter has been sent once
+        (c,) = eng.generate([r])
+        ref = reference_logprobs(0, r.prompt_ids, c.token_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) <= 1e-4
+
+
+def test_engine_dtype_in_either_spelling():
+    for name, want in [("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp32", None)]:
+        with TorchEngine(ARGS, in_process=True, dtype=name) as eng:
+            assert eng.dtype == (want or torch.float32)
+    with pytest.raises(ValueError, match=r"engine\.dtype='int8'"):
+        TorchEngine(ARGS, in_process=True, dtype="int8")
+    with pytest.raises(TypeError, match="ModelArgs"):
+        TorchEngine(model_of(0), in_process=True)
+
+
+def test_bf16_engine_computes_in_bf16():
+    """``dtype`` is the engine's compute dtype: published fp32 weights land in bf16 parameters, so
+    its logprobs leave the fp32 model's by far more than the fp32 agreement bound (1e-4): rounding
+    the weights alone to 8 significant bits moves the logits by ~1e-3 relative."""
+    r = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=8, seed=3), "g")
+    with TorchEngine(ARGS, in_process=True, dtype="bf16") as eng:
+        publish_model(eng, model_of(0))
+        (c,) = eng.generate([r])
+    assert c.versions == [0] * 8
+    ref = reference_logprobs(0, r.prompt_ids, c.token_ids, 1.0)  # the fp32 model
+    assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) > 1e-4
+
+
+def test_uniforms_drawn_once_equal_one_draw_per_step():
+    """Why a request's tokens did not change when its uniforms became one draw per request: a CPU
+    generator gives the same numbers to ``rand(n)`` as to n calls of ``rand(1)``."""
+    for seed in (0, 7, 2**61):
+        g = torch.Generator().manual_seed(seed)
+        per_step = torch.cat([torch.rand(1, generator=g) for _ in range(300)])
+        assert torch.equal(request_uniforms(seed, 300), per_step)

@@ -438,8 +438,9 @@ def _check_batch_against_models(qb, models, step):
 @pytest.mark.parametrize("partial", [False, True])
 def test_queue_with_torch_engine(tiny, partial):
     from minippo.engine import TorchEngine
+    from tests.engine_suite import publish_model
 
-    with TorchEngine(tiny[0], in_process=True) as eng:
+    with publish_model(TorchEngine(tiny[0].args, in_process=True), tiny[0]) as eng:
         q = RolloutQueue(
             eng,
             prompts(20),

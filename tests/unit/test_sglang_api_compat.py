@@ -3,7 +3,7 @@
 Two halves:
     * against the wheel (marker ``network``): pip downloads sglang==SGLANG_VERSION (no install, no
       import; cached under ~/.cache/minippo/wheels, or $MINIPPO_CACHE/wheels), and every entry of
-      ``SGLANG_API`` is checked in its source with ``ast``: import paths, ServerArgs fields for the
+      ``SGLANG_API`` (tests/sglang_api.py) is checked in its source with ``ast``: import paths, ServerArgs fields for the
       ``Engine(**kwargs)`` call, constructor fields of the request structs, method names, keywords
       and sync/async, instance attributes, and output keys / literal values.
     * against the backend's own source (offline): every call the backend makes into SGLang
@@ -27,7 +27,8 @@ import pytest
 
 import minippo.engine.sglang_engine as backend
 from minippo.engine import SamplingParams
-from minippo.engine.sglang_engine import SERVER_ARG_KEYS, SGLANG_API, SGLANG_VERSION, ApiUse
+from minippo.engine.sglang_engine import SGLANG_VERSION
+from tests.sglang_api import SERVER_ARG_KEYS, SGLANG_API, ApiUse
 
 BACKEND_SOURCE = Path(backend.__file__)
 
@@ -429,7 +430,7 @@ def test_table_matches_backend_source():
     assert uses["keys"] and uses["keys"] <= literals, uses["keys"] - literals
 
 
-def test_server_args_and_sampling_keys_come_from_the_table():
+def test_server_args_and_sampling_keys_are_in_the_table():
     args = backend.engine_server_args(
         model_path="m", local_rank=3, port=30024, nccl_port=30025, mem_fraction_static=0.4,
         dtype="bfloat16", load_format="dummy", memory_mode="sleep", weights_cpu_backup=False,

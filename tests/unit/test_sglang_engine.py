@@ -51,6 +51,7 @@ from tests.engine_suite import (
     req,
     run_in_thread,
 )
+from tests.sglang_api import SERVER_ARG_KEYS
 
 ARGS = qwen3_tiny()
 EOS = 63  # the stand-in model's EOS id (config.json "eos_token_id")
@@ -522,7 +523,8 @@ def test_engine_kwargs_one_engine_per_rank(fake, model_path):
     assert kw["mem_fraction_static"] == 0.35 and kw["dtype"] == "bfloat16"
     assert kw["enable_memory_saver"] is False  # overlap mode needs no release/resume
     assert kw["weight_version"] == "4" and eng.version == 4
-    assert tuple(kw) == backend.SERVER_ARG_KEYS
+    assert tuple(kw) == SERVER_ARG_KEYS
+    assert eng.dtype == torch.bfloat16
     eng.shutdown()
     eng.shutdown()  # idempotent
     assert calls(fake[-1], "shutdown") == [("shutdown",)]
@@ -794,16 +796,21 @@ def test_blocking_methods_refuse_a_running_event_loop(fake, model_path):
 
 
 def test_instantiate_from_yaml_component(fake, model_path):
+    """As the recipe builds every engine: the config node plus ``model_args``."""
     eng = instantiate(
         {
             "_component_": "minippo.engine.sglang_engine.SGLangEngine",
             "model_path": model_path,
             "mem_fraction_static": 0.3,
             "memory_mode": "sleep",
+            "dtype": "bf16",
             "extra_server_args": {"chunked_prefill_size": 4096},
-        }
+        },
+        model_args=ARGS,
     )
     assert isinstance(eng, SGLangEngine)
+    assert eng.model_args is ARGS
+    assert eng.dtype == torch.bfloat16 and fake[-1].kwargs["dtype"] == "bfloat16"
     assert fake[-1].kwargs["mem_fraction_static"] == 0.3
     assert fake[-1].kwargs["chunked_prefill_size"] == 4096
     eng.shutdown()

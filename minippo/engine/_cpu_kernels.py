@@ -1,0 +1,59 @@
+"""oneDNN's packed linear kernel for TorchEngine's private model on CPU (a decode-speed detail).
+
+For the decode shapes (a few dozen rows) ``F.linear`` reorders the weight into oneDNN's blocked
+layout on every call; packing it once per publish runs the matmuls up to about twice as fast with
+the same math (docs/benchmarks.md). This relies on private ``torch.ops.mkldnn`` ops, so it is
+used only where :func:`onednn_linear_available` says they exist.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear kernel can run on ``device`` in ``dtype``."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear``'s own parameters, applied with oneDNN's packed CPU kernel.
+
+    The weight is reordered once into oneDNN's blocked layout (``repack()``, after every weight
+    change) instead of on every call. The parameters stay the module's ``weight`` / ``bias``, so
+    names and publishes are unchanged.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.repack()
+
+    def repack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features]."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> list[PackedLinear]:
+    """Replace every ``nn.Linear`` of ``model`` (the engine's private model) by a
+    :class:`PackedLinear` sharing its parameters; return them (call ``repack()`` after loading
+    new weights). Needs :func:`onednn_linear_available` for the model's device and dtype."""
+    packed = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                new = PackedLinear(child)
+                setattr(parent, name, new)
+                packed.append(new)
+    return packed

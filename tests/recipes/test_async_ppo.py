@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -336,3 +337,33 @@ def test_tiny_cpu_default_learns(tmp_path):
     assert rows[0]["rollout/reward_mean"] < 0.1
     last = [r["rollout/reward_mean"] for r in rows[-5:]]
     assert sum(last) / len(last) >= 0.8
+
+
+def test_output_dir_belongs_to_one_run(tmp_path):
+    """A fresh run into a used folder is refused with one line and leaves it as it was; a second
+    run while the first is alive is refused; resuming the folder is allowed."""
+    out = tmp_path / "run"
+    args = ["run", "async_ppo", "--config", "tiny_cpu", *FAST, f"output_dir={out}"]
+    assert cli(*args, "total_steps=2").returncode == 0
+    before = (out / "metrics.jsonl").read_text()
+    again = cli(*args, "total_steps=2")
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-2000:]
+    assert "holds another run's outputs" in again.stderr and "resume_from=latest" in again.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+    # a live run holds the folder: a second one (resuming it) is refused while it runs
+    first = subprocess.Popen(
+        [sys.executable, "-m", "minippo._cli.main", *args, "total_steps=400", "resume_from=latest"],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while (out / "metrics.jsonl").read_text() == before and time.time() < deadline:
+            time.sleep(0.2)  # until the first run has logged a step of its own
+        second = cli(*args, "total_steps=400", "resume_from=latest")
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"is in use by another run (pid {first.pid} " in second.stderr
+    finally:
+        first.kill()
+        first.wait(timeout=30)

@@ -206,12 +206,15 @@ class Checkpointer:
         return final
 
     def _prune(self) -> None:
-        """Delete the oldest complete checkpoints beyond ``keep_last`` (never the latest)."""
+        """Delete the oldest complete checkpoints beyond ``keep_last``, by step; never the one
+        ``latest`` names (so ``latest`` never points to a deleted checkpoint)."""
         if self.keep_last is None:
             return
+        latest = (self.ckpt_dir / LATEST).read_text().strip()
         done = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir() and p.suffix == "")
         for p in done[: -self.keep_last]:
-            shutil.rmtree(p, ignore_errors=True)
+            if p.name != latest:
+                shutil.rmtree(p, ignore_errors=True)
 
     # ---------------------------------------------------------------- load
     def resolve(self, resume_from: str | os.PathLike | None) -> Path | None:

@@ -212,3 +212,14 @@ def test_checkpoint_of_another_format_or_without_a_state_is_refused(tmp_path):
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="has checkpoint format 1, but this minippo reads format 2"):
         ckpt.load(path, models={"actor": (model, optim)}, states={"n": _Box()})
+
+
+def test_prune_never_deletes_the_checkpoint_latest_names(tmp_path):
+    # an older run left steps 30 and 60; a save of step 5 (overwrite_output_dir deletes such
+    # leftovers, but the checkpointer must not rely on it) must not be pruned as "the oldest"
+    model, optim = _model_and_optim(0)
+    ckpt = Checkpointer(tmp_path, keep_last=2)
+    for step in (30, 60, 5):
+        ckpt.save(step, models={"actor": (model, optim)}, states={})
+    assert ckpt.resolve("latest").name == "step_000005"
+    assert (tmp_path / "step_000005" / "meta.json").is_file()

@@ -31,6 +31,7 @@ from minippo.models import (
     ValueModel,
     from_pretrained,
     init_weights,
+    response_logprobs,
     save_pretrained_state_dict,
     token_logprobs_and_entropy,
     value_model_from_pretrained,
@@ -58,11 +59,7 @@ from minippo.rl import (
     split_critic_values,
     value_loss,
 )
-from minippo.rl.correction import (
-    build_correction,
-    response_logprobs,
-    validate_async_off_policy_correction,
-)
+from minippo.rl.correction import build_correction, validate_async_off_policy_correction
 from minippo.training.checkpoint import Checkpointer, capture_rng_state, restore_rng_state
 from minippo.training.metrics import MetricAverager, NoOpLogger, reduce_over_ranks
 from minippo.training.nan_guard import NonFiniteGuard
@@ -383,7 +380,7 @@ class AsyncPPORecipe:
                 inject_nan,
             )
             metrics.update(stats)
-            metrics.update(corr.metrics)  # after the updates (loglinear_prox completes them)
+            metrics.update(corr.metrics())
             if train_actor:  # the actor's schedule starts with its first update
                 self.scheduler.step()
             if self.critic_scheduler is not None:

@@ -24,7 +24,15 @@ import torch
 from _common import rss_bytes
 
 from minippo.models import ModelArgs, Transformer, qwen3_tiny
-from minippo.rl.correction import EWMA, METHODS, KeepOldActor, local_shards
+from minippo.parallel.weight_swap import local_shards
+from minippo.rl.correction import (
+    EWMA,
+    TIS,
+    KeepOldActor,
+    LogLinearProx,
+    NoCorrection,
+    RolloutLogprobs,
+)
 from minippo.rl.types import RolloutBatch
 
 
@@ -149,7 +157,7 @@ def forward_counts() -> dict[str, list[int]]:
     """Forward passes of prepare() per method for a batch spanning 1, 2, 3 versions (step 2)."""
     spans = {1: [[2, 2, 2], [2, 2, 2]], 2: [[1, 1, 2], [2, 2, 2]], 3: [[0, 1, 1], [2, 2, 2]]}
     out = {}
-    for method, cls in METHODS.items():
+    for cls in (RolloutLogprobs, TIS, KeepOldActor, EWMA, LogLinearProx, NoCorrection):
         counts = []
         for versions in spans.values():
             model = Transformer(qwen3_tiny())
@@ -159,14 +167,14 @@ def forward_counts() -> dict[str, list[int]]:
             for v in range(3):
                 corr.on_weights_published(v, model)
             batch = tiny_batch(versions)
-            if method == "ewma":  # μ close to θ̄: no reset (a reset costs one more forward)
+            if cls is EWMA:  # μ close to θ̄: no reset (a reset costs one more forward)
                 with torch.no_grad():
-                    lp = corr._score(model, batch)
+                    lp = corr.score(model, batch)
                 batch.rollout_logprobs = lp
                 calls.clear()
             corr.prepare(batch, model, step=2)
             counts.append(len(calls))
-        out[method] = counts
+        out[cls.method] = counts
     return out
 
 

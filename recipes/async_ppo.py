@@ -23,7 +23,7 @@ from minippo import models, parallel, rl
 from minippo.config import canonical_dtype, instantiate, torch_dtype
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
-from minippo.rl.correction import validate_async_off_policy_correction
+from minippo.rl.correction import build_correction, validate_async_off_policy_correction
 from minippo.training.checkpoint import Checkpointer, RNGState
 from minippo.training.metrics import MetricAverager, NoOpLogger, gather_and_reduce
 from minippo.training.nan_guard import NonFiniteGuard
@@ -193,10 +193,9 @@ class AsyncPPORecipe:
         if self.use_critic:
             self.critic_optimizer = build_optimizer(cfg.critic.optimizer, self.critic.parameters())
             self.critic_scheduler = instantiate(cfg.lr_scheduler, self.critic_optimizer)
-        self.correction = instantiate(  # any Correction class; anchors scored like every pass
-            cfg.correction or {"_component_": "minippo.rl.correction.NoCorrection"},
+        self.correction = build_correction(  # instantiate(cfg.correction, temperature=..., ...)
+            cfg,
             temperature=self.temperature,
-            max_staleness=cfg.rollout.max_staleness,
             updates_per_step=cfg.ppo.epochs * cfg.ppo.minibatches,
             score_fn=lambda model, b: self._scored(partial(self._logprobs, model), b),
         )

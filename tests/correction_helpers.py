@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from minippo.models import Transformer, qwen3_tiny
-from minippo.rl.correction import response_logprobs
+from minippo.models import Transformer, qwen3_tiny, response_logprobs
 from minippo.rl.types import RolloutBatch
 
 V = 64  # the vocabulary of the tests' tiny models

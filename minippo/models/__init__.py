@@ -8,7 +8,8 @@ Public names:
         qwen3_8b, qwen2_5_0_5b, llama3_2_1b
     token_logprobs(model, input_ids, *, attention_mask, position_ids, temperature, start, chunk_size)
         -> [B, S - start];  token_logprobs_and_entropy(...) -> (logprobs, entropy); both run
-        inside Transformer.forward via ``score=ScoreSpec(start, temperature, chunk_size, ...)``
+        inside Transformer.forward via ``score=ScoreSpec(start, temperature, chunk_size, ...)``;
+        response_logprobs(model, batch, *, temperature) -> [B, R] of a RolloutBatch
     HF folders: from_pretrained(path, dtype, device) -> Transformer; save_pretrained(model, path, *,
         max_shard_bytes); save_pretrained_state_dict(native_sd, args, path); load_hf_state_dict;
         value_model_from_pretrained; model_args_from_hf_config(dict); hf_config_from_model_args;
@@ -33,7 +34,12 @@ from minippo.models.hf_checkpoint import (
     save_pretrained_state_dict,
     value_model_from_pretrained,
 )
-from minippo.models.logprobs import ScoreSpec, token_logprobs, token_logprobs_and_entropy
+from minippo.models.logprobs import (
+    ScoreSpec,
+    response_logprobs,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 from minippo.models.model import (
     SUPPORTED_ARCHITECTURES,
     KVCache,
@@ -87,6 +93,7 @@ __all__ = [
     "qwen3_4b",
     "qwen3_8b",
     "qwen3_tiny",
+    "response_logprobs",
     "rope_inv_freq",
     "save_pretrained",
     "save_pretrained_state_dict",

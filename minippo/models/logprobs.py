@@ -9,10 +9,14 @@ them one chunk at a time. Peak extra memory is then O(chunk_size * V) instead of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from minippo.rl.types import RolloutBatch
 
 DEFAULT_CHUNK_SIZE = 1024
 
@@ -129,6 +133,24 @@ def token_logprobs(
     """
     return _score(
         model, input_ids, attention_mask, position_ids, temperature, start, chunk_size, False
+    )
+
+
+def response_logprobs(model: nn.Module, batch: RolloutBatch, *, temperature: float) -> torch.Tensor:
+    """log π(response token) at every response position of a rollout batch, ``Float32[B, R]``.
+
+    :func:`token_logprobs` with the batch's attention mask and positions, ``start = P`` (the
+    padded prompt length) and the sampling ``temperature``. Gradients follow the caller (wrap it in
+    ``torch.no_grad()`` for a scoring pass): the reference model's logprobs and the corrections'
+    anchors are computed with it.
+    """
+    return token_logprobs(
+        model,
+        batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        temperature=temperature,
+        start=batch.prompt_len,
     )
 
 

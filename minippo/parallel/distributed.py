@@ -1,14 +1,23 @@
-"""Process-group setup for runs started by torchrun (or as a single plain process)."""
+"""Process-group setup for runs started by torchrun (or as a single plain process), and the small
+collectives over all ranks that the corrections use (a few floats; the union of weight versions)."""
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "destroy_distributed", "init_distributed"]
+__all__ = [
+    "DistInfo",
+    "all_reduce_floats",
+    "destroy_distributed",
+    "init_distributed",
+    "union_over_ranks",
+]
 
 
 @dataclass(frozen=True)
@@ -77,3 +86,45 @@ def destroy_distributed() -> None:
     """Tear down the default process group if one exists."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _several_ranks() -> bool:
+    """Whether a default process group with more than one rank exists."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_floats(values: list[float], op: str, device: torch.device) -> list[float]:
+    """Sum (``op="sum"``) or max (``op="max"``) of a few floats over all ranks, in float64.
+
+    One collective on ``device`` (where the backend expects tensors: the accelerator under NCCL);
+    the values themselves in a single process. Every rank must call it.
+    """
+    if op not in ("sum", "max"):
+        raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
+    if not _several_ranks():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def union_over_ranks(values: Iterable[int], device: torch.device) -> list[int]:
+    """The sorted union of every rank's ints (each rank passes its own, all get the union).
+
+    Two small all-reduces: the range (max of −min and of max), then one flag per int in it, so it
+    suits a few close values such as weight versions. Every rank must call it.
+    """
+    present = sorted({int(v) for v in values})
+    if not _several_ranks():
+        return present
+    lo, hi = (present[0], present[-1]) if present else (math.inf, -math.inf)
+    neg_lo, hi = all_reduce_floats([-lo, hi], "max", device)
+    lo = -neg_lo
+    if hi < lo:  # no rank has any value
+        return []
+    lo, hi = int(lo), int(hi)
+    flags = [0.0] * (hi - lo + 1)
+    for v in present:
+        flags[v - lo] = 1.0
+    flags = all_reduce_floats(flags, "max", device)
+    return [lo + i for i, f in enumerate(flags) if f > 0]

@@ -12,7 +12,8 @@ from torch.distributed.tensor import distribute_tensor
 
 from minippo.models import Transformer, init_weights, qwen3_tiny
 from minippo.parallel import shard_model
-from minippo.rl.correction import EWMA, KeepOldActor, local_shards
+from minippo.parallel.weight_swap import local_shards
+from minippo.rl.correction import EWMA, KeepOldActor
 from minippo.rl.types import RolloutBatch
 from tests.correction_helpers import model_with, perturb, score
 
@@ -103,7 +104,7 @@ def _check_keep_old_actor(rank: int) -> None:
     actor.tok_embeddings.register_forward_hook(lambda *a: calls.append(1))
     out = corr.prepare(batch, actor, step=2)
     assert len(calls) == 3, calls  # the union of versions over ranks, on every rank
-    assert out.metrics["correction/version_mismatches"] == 0
+    assert out.metrics()["correction/version_mismatches"] == 0
     refs = [score(model_with(w), batch) for w in saved]
     expected = torch.zeros(batch.versions.shape)
     for v, lp in enumerate(refs):
@@ -140,9 +141,9 @@ def _check_ewma(rank: int) -> None:
         batch.response_mask > 0, ref_anchor + (0.0 if rank == 0 else 5.0), 0.0
     )
     out = corr.prepare(batch, actor, step=1)
-    assert out.metrics["correction/ewma_retained_before_reset"] == 0.5
+    assert out.metrics()["correction/ewma_retained_before_reset"] == 0.5
     reshard(actor)
-    assert out.metrics["correction/ewma_resets"] == 1
+    assert out.metrics()["correction/ewma_resets"] == 1
     for tb, p in zip(corr.theta_bar, actor.parameters()):
         assert torch.equal(tb, p.to_local())
     current = logits_score(ref, batch).detach() * batch.response_mask

@@ -7,12 +7,15 @@ import warnings
 import pytest
 from omegaconf import OmegaConf
 
+import minippo.rl.correction as correction
 from minippo.rl.correction import (
     EWMA,
-    METHODS,
     TIS,
     KeepOldActor,
+    LogLinearProx,
     NoCorrection,
+    RolloutLogprobs,
+    WeightCopies,
     build_correction,
     correction_class,
     validate_async_off_policy_correction,
@@ -82,7 +85,7 @@ def test_error_fires_before_anything_is_built():
 @pytest.mark.parametrize("component", ["RolloutLogprobs", "TIS", "KeepOldActor", "EWMA"])
 def test_each_method_passes_async_with_critic(component):
     method = validate_async_off_policy_correction(run_cfg({"_component_": P + component}))
-    assert METHODS[method].__name__ == component
+    assert method == getattr(correction, component).method
 
 
 def test_loglinear_prox_passes():
@@ -140,8 +143,11 @@ def test_only_gae_counts_as_critic():
             {"_component_": P + "EWMA", "max_staleness": 5},
             r"contradicts rollout.max_staleness \(2\)",
         ),
-        ({"_component_": P + "Bogus"}, r"Bogus is not a correction"),
-        ({"_component_": "no_such_package.Correction"}, r"cannot be imported"),
+        ({"_component_": P + "Bogus"}, r"'minippo.rl.correction' has no 'Bogus'"),
+        ({"_component_": "no_such_package.Correction"}, r"no module named 'no_such_package'"),
+        ({"_component_": "collections.OrderedDict"}, r"is not a subclass of .*Correction"),
+        ({"_component_": P + "TIS", "temperature": 0.5}, r"correction.temperature is set by"),
+        ({"_component_": P + "EWMA", "updates_per_step": 4}, r"drop correction.updates_per_step"),
         ({"cap": 2.0}, r"no _component_ key"),
     ],
 )
@@ -192,10 +198,54 @@ def test_build_correction_from_yaml_scheme():
     )
 
 
-def test_registry_names_and_components():
-    assert sorted(METHODS) == sorted(
-        ["rollout_logprobs", "tis", "keep_old_actor", "ewma", "loglinear_prox", "none"]
-    )
-    for method, cls in METHODS.items():
-        assert cls.method == method
+CLASSES = (RolloutLogprobs, TIS, KeepOldActor, EWMA, LogLinearProx, NoCorrection)
+
+
+def test_method_names_and_components():
+    assert [c.method for c in CLASSES] == [
+        "rollout_logprobs",
+        "tis",
+        "keep_old_actor",
+        "ewma",
+        "loglinear_prox",
+        "none",
+    ]
+    for cls in CLASSES:  # the documented dotpaths, and the modules that define the classes
         assert correction_class(P + cls.__name__) is cls
+        assert correction_class(f"{cls.__module__}.{cls.__name__}") is cls
+        assert cls.summary and "\n" not in cls.summary  # one line for the fail-fast message
+    assert [c.corrects_behaviour_policy for c in CLASSES] == [True] * 5 + [False]
+
+
+def test_declared_costs():
+    # extra forwards per step, worst case: keep_old_actor one per version of the staleness window,
+    # ewma two on a reset step
+    passes = [c.scoring_passes(max_staleness=3) for c in CLASSES]
+    assert passes == [0, 1, 4, 2, 0, 1]
+    for cls in (RolloutLogprobs, TIS, LogLinearProx, NoCorrection):
+        assert cls.stored_weights(max_staleness=3, partial_rollout=True) == []
+    # ewma: fp32 θ̄ on the device + a swap buffer (master dtype) where swap_storage says
+    assert EWMA.stored_weights(max_staleness=3, partial_rollout=False) == [
+        WeightCopies("θ̄", 1, "float32", "accelerator"),
+        WeightCopies("swap buffer", 1, None, "accelerator"),
+    ]
+    assert EWMA.stored_weights(max_staleness=3, partial_rollout=False, swap_storage="cpu")[1] == (
+        WeightCopies("swap buffer", 1, None, "cpu")
+    )
+    # keep_old_actor: max_staleness + 1 (+ 1 with partial rollouts) snapshots + a swap buffer
+    koa = KeepOldActor.stored_weights(max_staleness=3, partial_rollout=True, storage_dtype="bf16")
+    assert koa == [
+        WeightCopies("snapshots", 5, "bfloat16", "cpu"),
+        WeightCopies("swap buffer", 1, None, "cpu"),
+    ]
+    koa = KeepOldActor.stored_weights(max_staleness=1, partial_rollout=False, storage="accelerator")
+    assert koa[0] == WeightCopies("snapshots", 2, None, "accelerator")
+    with pytest.raises(ValueError, match=r"storage='disk'"):  # the options are checked
+        KeepOldActor.stored_weights(max_staleness=1, partial_rollout=False, storage="disk")
+
+
+def test_check_fills_the_class_defaults():
+    assert EWMA.check(cap=3.0)["reset_below"] == 0.8
+    assert TIS.check()["level"] == "token"
+    with pytest.raises(ValueError, match=r"correction NoCorrection does not take cap=2\.0"):
+        NoCorrection.check(cap=2.0)

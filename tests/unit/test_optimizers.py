@@ -178,12 +178,12 @@ def _train_and_resume(component: str, tmp_path, compiled: bool) -> None:
         opt = build_optimizer(_node(component), model.parameters())
         losses = [_step(model, opt) for _ in range(2)]
         ckpt = Checkpointer(tmp_path / "ckpt")
-        ckpt.save(2, models={"actor": (model, opt)}, extra={})
+        ckpt.save(2, models={"actor": (model, opt)}, states={})
         losses += [_step(model, opt) for _ in range(2)]
 
         model2 = _model()  # fresh weights and an optimizer without state
         opt2 = build_optimizer(_node(component), model2.parameters())
-        ckpt.load(ckpt.resolve("latest"), models={"actor": (model2, opt2)})
+        ckpt.load(ckpt.resolve("latest"), models={"actor": (model2, opt2)}, states={})
         resumed = [_step(model2, opt2) for _ in range(2)]
     assert losses[-1] < 0.8 * losses[0], losses
     assert resumed == losses[2:]
@@ -229,10 +229,10 @@ def _fsdp_worker(rank: int, world_size: int, out_dir: str) -> None:
                 w1 = model.layers[0].feed_forward.w1.weight
                 local = type(opt.state[w1]["exp_avg"].to_local()).__name__
                 ckpt = Checkpointer(os.path.join(out_dir, comp))
-                ckpt.save(3, models={"actor": (model, opt)}, extra={})
+                ckpt.save(3, models={"actor": (model, opt)}, states={})
                 uninterrupted = [_step(model, opt) for _ in range(3)]
                 model2, opt2 = make()
-                ckpt.load(ckpt.resolve("latest"), models={"actor": (model2, opt2)})
+                ckpt.load(ckpt.resolve("latest"), models={"actor": (model2, opt2)}, states={})
                 w1 = model2.layers[0].feed_forward.w1.weight
                 local2 = type(opt2.state[w1]["exp_avg"].to_local()).__name__
                 resumed = [_step(model2, opt2) for _ in range(3)]

@@ -161,13 +161,8 @@ def policy_loss(
         per_token = per_token * weights  # w_t · L_t
     # k_t zeroes the numerator; aggregate's denominators count the full response mask
     per_token = torch.where(kept, per_token, torch.zeros_like(per_token))
-    loss = aggregate(
-        per_token,
-        response_mask,
-        agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-    )
+    counts = {"global_tokens": global_tokens, "global_seqs": global_seqs}
+    loss = aggregate(per_token, response_mask, agg_mode, **counts)
 
     with torch.no_grad():
         kept_f = kept.to(logprobs.dtype)
@@ -245,13 +240,8 @@ def value_loss(
         per_token = loss_unclipped
         clipped = torch.zeros_like(values, dtype=torch.bool)
     per_token = coef * (0.5 if half else 1.0) * per_token
-    loss = aggregate(
-        per_token,
-        response_mask,
-        agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-    )
+    counts = {"global_tokens": global_tokens, "global_seqs": global_seqs}
+    loss = aggregate(per_token, response_mask, agg_mode, **counts)
     with torch.no_grad():
         stats = ValueStats(
             value_loss=loss.detach(),

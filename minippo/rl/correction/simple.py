@@ -26,7 +26,23 @@ def _positive_cap(owner: type, o: dict[str, Any]) -> None:
         raise ValueError(f"correction.cap must be > 0, got cap={o['cap']} ({owner.__name__})")
 
 
-class RolloutLogprobs(Correction):
+class _NoStoredWeights(Correction):
+    """A correction that keeps no weight copies and scores the actor ``passes`` times a step."""
+
+    passes = 0
+
+    @classmethod
+    def stored_weights(
+        cls, *, max_staleness: int, partial_rollout: bool, **options: Any
+    ) -> list[WeightCopies]:
+        return []
+
+    @classmethod
+    def scoring_passes(cls, *, max_staleness: int, **options: Any) -> int:
+        return cls.passes
+
+
+class RolloutLogprobs(_NoStoredWeights):
     """anchor = the engine's logprobs μ; no extra forward; the PPO clip absorbs train/inference
     discrepancy and staleness together.
 
@@ -47,15 +63,7 @@ class RolloutLogprobs(Correction):
             )
         return super().check(**options)
 
-    @classmethod
-    def stored_weights(
-        cls, *, max_staleness: int, partial_rollout: bool, **options: Any
-    ) -> list[WeightCopies]:
-        return []
-
-    @classmethod
-    def scoring_passes(cls, *, max_staleness: int, **options: Any) -> int:
-        return 0
+    passes = 0  # extra no-grad forward passes of the actor per step
 
     def compute(self, batch: RolloutBatch, actor: nn.Module, step: int) -> FixedAnchors:
         mu, mask = batch.rollout_logprobs.float(), batch.response_mask
@@ -66,7 +74,7 @@ class RolloutLogprobs(Correction):
         return FixedAnchors.from_weights(batch, torch.where(ok, mu, 0.0), w)
 
 
-class NoCorrection(Correction):
+class NoCorrection(_NoStoredWeights):
     """anchor = the current weights at the step start (w = 1): synchronous PPO; it does not
     correct for the policy that sampled the tokens.
 
@@ -76,15 +84,7 @@ class NoCorrection(Correction):
     method = "none"
     corrects_behaviour_policy = False
 
-    @classmethod
-    def stored_weights(
-        cls, *, max_staleness: int, partial_rollout: bool, **options: Any
-    ) -> list[WeightCopies]:
-        return []
-
-    @classmethod
-    def scoring_passes(cls, *, max_staleness: int, **options: Any) -> int:
-        return 1
+    passes = 1  # extra no-grad forward passes of the actor per step
 
     def compute(self, batch: RolloutBatch, actor: nn.Module, step: int) -> FixedAnchors:
         anchor = self.score(actor, batch)
@@ -94,7 +94,7 @@ class NoCorrection(Correction):
         return FixedAnchors.from_weights(batch, anchor, w)
 
 
-class TIS(Correction):
+class TIS(_NoStoredWeights):
     """anchor = the trainer's weights at the step start; truncated (or masked) importance weights
     exp(anchor − μ); one forward per step.
 
@@ -132,15 +132,7 @@ class TIS(Correction):
             )
         return o
 
-    @classmethod
-    def stored_weights(
-        cls, *, max_staleness: int, partial_rollout: bool, **options: Any
-    ) -> list[WeightCopies]:
-        return []
-
-    @classmethod
-    def scoring_passes(cls, *, max_staleness: int, **options: Any) -> int:
-        return 1
+    passes = 1  # extra no-grad forward passes of the actor per step
 
     def compute(self, batch: RolloutBatch, actor: nn.Module, step: int) -> FixedAnchors:
         anchor = self.score(actor, batch)
@@ -157,7 +149,7 @@ class TIS(Correction):
         return FixedAnchors.from_weights(batch, anchor, w, kind)
 
 
-class LogLinearProx(Correction):
+class LogLinearProx(_NoStoredWeights):
     """A-3PO baseline: anchor = μ + α·(sg(log π_θ) − μ), α fixed per step; no extra forward.
 
     The anchor follows the current policy by definition, so ``prepare`` fixes α and μ for the
@@ -177,15 +169,7 @@ class LogLinearProx(Correction):
         _positive_cap(cls, o)
         return o
 
-    @classmethod
-    def stored_weights(
-        cls, *, max_staleness: int, partial_rollout: bool, **options: Any
-    ) -> list[WeightCopies]:
-        return []
-
-    @classmethod
-    def scoring_passes(cls, *, max_staleness: int, **options: Any) -> int:
-        return 0
+    passes = 0  # extra no-grad forward passes of the actor per step
 
     def compute(self, batch: RolloutBatch, actor: nn.Module, step: int) -> ProximalAnchors:
         mask = batch.response_mask

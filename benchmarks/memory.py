@@ -170,11 +170,12 @@ def planned_4b() -> None:
     args = qwen3_4b()
     adamw = optimizer_spec({"_component_": "torch.optim.AdamW"})
     rows = []
-    cases = [("EWMA", None, s) for s in (1, 4)] + [
-        ("KeepOldActor", d, s) for d in (None, "bf16") for s in (1, 2, 4)
+    cases = [("ewma", None, s) for s in (1, 4)] + [
+        ("keep_old_actor", d, s) for d in (None, "bf16") for s in (1, 2, 4)
     ]
+    classes = {"ewma": "EWMA", "keep_old_actor": "KeepOldActor"}
     for method, dtype, s in cases:
-        node = {"_component_": C + method}
+        node = {"_component_": C + classes[method]}
         if dtype is not None:
             node["storage_dtype"] = dtype
         x = PlanInputs(
@@ -198,7 +199,7 @@ def planned_4b() -> None:
             gpu_mem_bytes=80 * GiB,
         )
         item = next(i for i in plan_memory(x).items if i.name.startswith("correction"))
-        store = (dtype or "fp32") if method == "KeepOldActor" else "fp32 θ̄"
+        store = (dtype or "fp32") if method == "keep_old_actor" else "fp32 θ̄"
         rows.append(
             [
                 method,
@@ -207,7 +208,7 @@ def planned_4b() -> None:
                 f"{item.device / GiB:.2f}",
                 f"{item.host / GiB:.2f}",
                 f"{8 * (item.device + item.host) / 1e9:.1f}",
-                "~40 GB host" if method == "KeepOldActor" else "~7.9 GB",
+                "~40 GB host" if method == "keep_old_actor" else "~7.9 GB",
             ]
         )
     n = sum(math.prod(s) for s in model_param_shapes(args))

@@ -305,11 +305,14 @@ class PlanItem:
 @dataclass
 class MemoryPlan:
     """The items of a plan and their totals; ``actor_numel``: the actor's local parameter elements
-    (P), which the correction's stored weights are counted in."""
+    (P), which the correction's stored weights are counted in. ``measured``: the
+    :class:`~minippo.plan.measured.MeasuredPeak` of one recipe step, when it was run; the totals
+    and the verdict then come from it (the items stay the formula's)."""
 
     inputs: PlanInputs
     items: list[PlanItem] = field(default_factory=list)
     actor_numel: int = 0
+    measured: Any = None
 
     def _phase_device(self, phase: str, engine: bool) -> int:
         return sum(
@@ -330,24 +333,47 @@ class MemoryPlan:
         train, score = self._phase_device("train", True), self._phase_device("score", True)
         return "train" if train >= score else "score"
 
+    def _sum(self, field_: str, prefix: str, *, without: bool = False) -> int:
+        return sum(
+            getattr(i, field_)
+            for i in self.items
+            if i.at_peak and i.name.startswith(prefix) != without
+        )
+
     @property
-    def trainer_total(self) -> int:
-        """Trainer bytes at the peak in the memory the device uses: GPU memory on CUDA runs; on
-        CPU runs RAM, where host items live too."""
+    def formula_trainer_total(self) -> int:
+        """The formula's trainer bytes at the peak in the memory the device uses: GPU memory on
+        CUDA runs; on CPU runs RAM, where host items live too."""
         return self._device(False) + (self.host_total if self.inputs.device == "cpu" else 0)
 
     @property
+    def trainer_total(self) -> int:
+        """Trainer bytes at the peak in the memory the device uses (see
+        :attr:`formula_trainer_total`); from the measured step when there is one: on CPU its
+        peak, on CUDA its peak less the trainer's host items, plus the assumed CUDA context."""
+        if self.measured is None:
+            return self.formula_trainer_total
+        if self.inputs.device == "cpu":
+            return self.measured.peak
+        host = self._sum("host", "engine", without=True)
+        return self.measured.peak - host + self._sum("device", "CUDA")
+
+    @property
     def tensor_total(self) -> int:
-        """The trainer's live tensor bytes at the peak, device and host memory together (what a
-        tensor tracker counts): the trainer total without the assumed CUDA context, plus the
-        host items other than the engine's."""
-        context = sum(i.device for i in self.items if i.name.startswith("CUDA"))
-        host = sum(i.host for i in self.items if not i.name.startswith("engine"))
-        return self._device(False) - context + host
+        """The formula's live tensor bytes of the trainer at the peak, device and host memory
+        together (what a tensor tracker and the measured step count): the trainer total without
+        the assumed CUDA context, plus the host items other than the engine's."""
+        host = self._sum("host", "engine", without=True)
+        return self._device(False) - self._sum("device", "CUDA") + host
 
     @property
     def device_total(self) -> int:
-        return self._device(True)
+        """Bytes on the device at the peak, the engine's included (RAM column on CPU runs)."""
+        if self.measured is None:
+            return self._device(True)
+        host = self._sum("host", "engine", without=True)
+        engine = self._sum("device", "engine")
+        return self.measured.peak - host + self._sum("device", "CUDA") + engine
 
     @property
     def host_total(self) -> int:
@@ -449,7 +475,17 @@ class MemoryPlan:
             dev = fmt(i.device) + ("" if i.at_peak and i.phase in ("all", self.peak_phase) else "*")
             lines.append(f"{i.name:<30}{dev:>10}{fmt(i.host):>10}  {i.note}")
         lines.append("-" * 60)
-        lines.append(f"{'trainer total':<30}{fmt(self.trainer_total):>10}")
+        m = self.measured
+        lines.append(
+            f"{'trainer total':<30}{fmt(self.formula_trainer_total):>10}"
+            + ("            formula" if m is not None else "")
+        )
+        if m is not None:
+            lines.append(
+                f"{'trainer total, measured':<30}{fmt(self.trainer_total):>10}            one "
+                f"recipe step on fake tensors ({m.device} kernels, {m.seconds:.0f} s); "
+                f"formula {self.tensor_total / m.peak - 1:+.1%}"
+            )
         lines.append(f"{'total':<30}{fmt(self.device_total):>10}{fmt(self.host_total):>10}")
         if any(not i.at_peak or i.phase not in ("all", self.peak_phase) for i in self.items):
             lines.append(
@@ -457,6 +493,12 @@ class MemoryPlan:
                 + ("PPO updates" if self.peak_phase == "train" else "no-grad scoring passes")
                 + ")"
             )
+        if m is not None:
+            kinds = ", ".join(
+                f"{k.lower()} {fmt(v)}" for k, v in m.by_kind.items() if v and k != "Buffer"
+            )
+            lines.append(f"at the measured peak ({unit}, device and host): {kinds}")
+            lines.append("totals and verdict from the measured step; items from the formulas")
         lines.append("")
         if self.fits is not None:
             gpu = x.gpu_mem_bytes or 0

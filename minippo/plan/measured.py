@@ -83,20 +83,6 @@ class _HostScalarsReadZero(TorchDispatchMode):
             return False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0
 
 
-def _batch(
-    args: Any, rows: int, seq_len: int, response_len: int, device: str
-) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, args.vocab_size, (rows, seq_len), device=device)
-    mask = torch.ones(rows, seq_len, dtype=torch.bool, device=device)
-    return {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0),
-        "response_mask": mask[:, seq_len - response_len :].float(),
-        "rollout_logprobs": torch.zeros(rows, response_len, device=device),
-    }
-
-
 class _Call(nn.Module):
     """A fresh root module around one call of ``model``. MemTracker takes a second forward of the
     same root module for the next iteration and refuses it, and its ``reset_mod_stats`` between
@@ -126,35 +112,25 @@ def _batch(
     }
 
 
-def _peak_tracker(models: list[nn.Module], others: list[Any]) -> Any:
-    """A ``MemTracker`` that keeps only its totals, tracking ``models`` (parameters, and their
-    gradients from the first backward on) and ``others`` (optimizers, tensors).
+def _tracker() -> Any:
+    """A ``MemTracker`` that keeps the peak of the totals only.
 
-    MemTracker's per-module statistics are switched off: they cost a pass over every module seen
-    so far on every op, and they refuse a second forward of a root module in one session (the
-    step runs each model several times). The totals and the peak come from its dispatch hook,
-    which counts every storage (FSDP2's storage resizes and collectives included) either way.
+    Its module hooks stay (they count the parameters FSDP2 all-gathers and frees by resizing
+    storages); its per-module peaks go: they cost a pass over every module seen so far, and a
+    copy of the snapshot, on every op (minutes instead of seconds for a 4B model).
     """
+    from copy import deepcopy
+
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class PeakTracker(MemTracker):
-        def _pre_fw_hook(self, module, inputs):
-            pass
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = deepcopy(snap)
 
-        def _post_fw_hook(self, module, inputs, outputs):
-            pass
-
-        def _pre_bw_hook(self, module, args):
-            pass
-
-        def _post_bw_hook(self, module, args):
-            pass
-
-    tracker = PeakTracker()
-    for model in models:  # what the skipped pre-forward hook does: count gradients as such
-        tracker._track_module_params_and_buffers(model, install_grad_hooks=True)
-    tracker.track_external(*others)
-    return tracker
+    return PeakTracker()
 
 
 def _rows(b: dict[str, torch.Tensor], i: int, n: int) -> dict[str, torch.Tensor]:
@@ -189,7 +165,6 @@ def measure_step(
 
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     if device is None:
         device = "cuda" if x.device == "cuda" and torch.cuda.is_available() else "cpu"
@@ -219,7 +194,7 @@ def measure_step(
             torch.compiler.set_stance("force_eager"),  # torchao compiles its step
         ):
             models, opts, stored = _setup(x, mesh, compute_dtype, optimizer, critic_optimizer)
-            tracker = MemTracker()
+            tracker = _tracker()
             tracker.track_external(*[m for m in models if m is not None], *opts, *stored)
             with tracker, _HostScalarsReadZero():
                 _step(x, *models, opts, rows, micro_batches, device)

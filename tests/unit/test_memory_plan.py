@@ -386,7 +386,13 @@ def test_switches_shrink_what_they_should():
     # the whole per-rank batch (rollout.groups_per_batch x samples / ranks) scored in one forward
     whole = _plan(
         _run_cfg(
-            rollout={"max_new_tokens": 8192, "groups_per_batch": 64, "samples_per_prompt": 8},
+            rollout={
+                "max_new_tokens": 8192,
+                "max_staleness": 2,
+                "partial_rollout": True,
+                "groups_per_batch": 64,
+                "samples_per_prompt": 8,
+            },
             ppo={"micro_batch_size": 1},
         )
     )
@@ -449,15 +455,24 @@ def test_plan_command_prints_the_table_and_exit_code(capsys, tmp_path):
     parser = argparse.ArgumentParser()
     add_plan_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(
-        ["plan", "--config", str(path), "gpu_mem_gib=141", "ppo.micro_batch_size=2"]
+        [
+            "plan",
+            "--formula-only",
+            "--config",
+            str(path),
+            "gpu_mem_gib=141",
+            "ppo.micro_batch_size=2",
+        ]
     )
     code = args.func(args)
     out = capsys.readouterr().out
     assert "micro_batch 2" in out and ("FITS" in out) == (code == 0)
-    args = parser.parse_args(["plan", "--config", str(path), "gpu_mem_gib=8", "nproc_per_node=8"])
+    args = parser.parse_args(
+        ["plan", "--formula-only", "--config", str(path), "gpu_mem_gib=8", "nproc_per_node=8"]
+    )
     assert args.func(args) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
-    args = parser.parse_args(["plan", "--config", str(path), "gpu_mem_gib=lots"])
+    args = parser.parse_args(["plan", "--formula-only", "--config", str(path), "gpu_mem_gib=lots"])
     with pytest.raises(ConfigError, match="must be a number"):
         args.func(args)
 
@@ -598,25 +613,23 @@ def test_the_fake_tensor_step_allocates_what_the_real_step_does(ranks, dtype):
 
 
 @pytest.mark.skipif(not TINY.exists(), reason="needs configs/tiny_cpu.yaml")
-def test_plan_command_measure_prints_the_measured_peak(capsys):
+def test_plan_command_takes_its_totals_from_the_measured_step(capsys):
     from minippo._cli.plan import add_plan_parser
 
     parser = argparse.ArgumentParser()
     add_plan_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
-        [
-            "plan",
-            "--config",
-            "tiny_cpu",
-            "--measure",
-            "~correction",
-            f"+correction._component_={FAKE}",
-        ]
-    )
+    over = ["~correction", f"+correction._component_={FAKE}"]
+    args = parser.parse_args(["plan", "--config", "tiny_cpu", *over])
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert "measured: one recipe step on fake tensors (cpu kernels" in out
-    assert "formula:" in out and "at the measured peak (MiB): parameter" in out
+    assert "trainer total, measured" in out and "one recipe step on fake tensors (cpu" in out
+    assert "at the measured peak (MiB, device and host): parameter" in out
+    # the same config's plan with the measured step attached: its totals are the step's peak
+    cfg = load_config(TINY, over)
+    plan = plan_from_config(cfg)
+    plan.measured = measure_from_config(cfg)
+    assert plan.trainer_total == plan.measured.peak != plan.formula_trainer_total
+    assert f"{plan.measured.peak / 2**20:.2f}" in out
 
 
 def test_plan_inputs_need_the_recipe_keys():

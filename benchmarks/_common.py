@@ -1,8 +1,9 @@
 """Helpers shared by the benchmark scripts: running the recipe through the CLI, reading its
-metrics, describing the machine, printing tables.
+metrics, counting live tensor bytes, describing the machine, printing tables.
 
 Scripts in this folder run as ``python benchmarks/<name>.py``, so this module is imported as
-``_common`` (the script's folder is first on ``sys.path``).
+``_common`` (the script's folder is first on ``sys.path``); tests, run from the repository root,
+import it as ``benchmarks._common``.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
 
 from minippo.training.metrics import read_jsonl
 
@@ -32,6 +38,92 @@ QUIET_RUN = [
     "checkpoint.every_n_steps=100000",
     "checkpoint.export_hf=false",
 ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring: live tensor bytes on any device (CPU included)
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """Bytes of live tensor storages, and their peak, per device type.
+
+    Every tensor an op creates under the tracker is counted until its storage is freed (a weak
+    reference callback); tensors that exist before (a model's parameters, an optimizer's state)
+    are added with :meth:`track`. Subclass tensors (torchao's quantized optimizer states) count
+    their inner storages. DTensor ops are let through so that their local ops are what is counted.
+
+    Example::
+
+        tracker = TensorMemoryTracker()
+        tracker.track(model)
+        with tracker:
+            loss = model(x).sum(); loss.backward(); opt.step()
+        tracker.peak["cpu"]
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, *objs: Any) -> TensorMemoryTracker:
+        """Count tensors that already exist: modules (parameters, buffers, grads), optimizers
+        (state), tensors, or containers of them."""
+        for obj in objs:
+            if isinstance(obj, nn.Module):
+                for t in [*obj.parameters(), *obj.buffers()]:
+                    self._add(t)
+                    if t.grad is not None:
+                        self._add(t.grad)
+            elif isinstance(obj, torch.optim.Optimizer):
+                for state in obj.state.values():
+                    self.track(list(state.values()))
+            elif isinstance(obj, torch.Tensor):
+                self._add(obj)
+            else:
+                leaves, _ = tree_flatten(obj)
+                if leaves == [obj]:  # not a container: nothing to count
+                    continue
+                self.track(*leaves)
+        return self
+
+    def _add(self, t: torch.Tensor) -> None:
+        if type(t).__name__ == "DTensor":
+            t = t.to_local()
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            for n in names:
+                inner = getattr(t, n)
+                if isinstance(inner, torch.Tensor):
+                    self._add(inner)
+            return
+        if t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._refs and self._refs[key]() is st:
+            return
+        nbytes, dev = st.nbytes(), t.device.type
+
+        def freed(_ref, nbytes=nbytes, dev=dev, key=key):
+            self.current[dev] -= nbytes
+            self._refs.pop(key, None)
+
+        self._refs[key] = weakref.ref(st, freed)
+        self.current[dev] = self.current.get(dev, 0) + nbytes
+        if self.current[dev] > self.peak.get(dev, 0):
+            self.peak[dev] = self.current[dev]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t.__name__ == "DTensor" for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        leaves, _ = tree_flatten(out)
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        return out
 
 
 @dataclass

@@ -28,9 +28,7 @@ import sys
 import time
 
 import torch
-from _common import rss_bytes
-
-from minippo.training.memory_plan import TensorMemoryTracker
+from _common import TensorMemoryTracker, rss_bytes
 
 
 def _build(args):

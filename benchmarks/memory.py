@@ -1,40 +1,54 @@
-"""Memory of the behaviour-policy corrections: measured on the tiny job, planned for Qwen3-4B.
+"""Memory of the behaviour-policy corrections, and the memory plan against measured peaks.
 
 1. Measured: the recipe (``minippo run async_ppo --config tiny_cpu``) once per correction method,
    each in its own process; peak RSS of the trainer process tree from ``wait4``'s rusage
    (``ru_maxrss``), the bytes the correction reports holding (correction/snapshot_bytes,
    ewma_bytes, swap_buffer_bytes: largest over the steps), and the memory planner's correction
-   item (``minippo.training.memory_plan.plan_from_config`` on the same config) for the same model.
+   item (``minippo.plan.plan_from_config`` on the same config) for the same model.
    ``--dim/--layers`` swap the tiny model for a wider one (``model._component_=ModelArgs``) so
    that the correction's bytes stand out of the RSS noise.
 2. Planned: the per-rank correction memory of Qwen3-4B on 8 GPUs (FSDP2, fp32 master weights)
-   per method and staleness, from ``plan_memory``, against the reference figures of Guan et al.
+   per method and staleness, from the plan, against the reference figures of Guan et al.
    (exact snapshots ~40 GB host memory, PPO-EWMA ~7.9 GB, for a 4B model).
+3. The plan against measured peaks (CPU): per case (tiny_cpu with one switch changed), the peak
+   of live tensor bytes of the real recipe's trainer process from setup to the last step
+   (``TensorMemoryTracker`` around ``setup`` + ``train``, in this process; the engine runs in its
+   own), the formula's (``MemoryPlan.tensor_total``) and the measured plan's
+   (``minippo.plan.measure_from_config``: one recipe step on fake tensors).
 
     python benchmarks/memory.py --quick                       # tiny model, 2 methods, seconds
     python benchmarks/memory.py --dim 256 --layers 8          # the figures in docs/benchmarks.md
+    python benchmarks/memory.py --only-plan                   # section 3 only (docs/memory.md)
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import runpy
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 from _common import (
     DEFAULT_OUT,
+    QUIET_RUN,
+    REPO,
+    TensorMemoryTracker,
     correction_bytes,
     load_average,
     machine,
     markdown_table,
     run_recipe,
 )
+from omegaconf import OmegaConf
 
 from minippo.config import load_config
-from minippo.training.memory_plan import (
+from minippo.plan import (
     GiB,
     PlanInputs,
+    correction_cost,
+    measure_from_config,
     model_param_shapes,
     plan_from_config,
     plan_memory,
@@ -157,9 +171,13 @@ def planned_4b() -> None:
     adamw = optimizer_spec({"_component_": "torch.optim.AdamW"})
     rows = []
     cases = [("ewma", None, s) for s in (1, 4)] + [
-        ("keep_old_actor", b, s) for b in (None, 2) for s in (1, 2, 4)
+        ("keep_old_actor", d, s) for d in (None, "bf16") for s in (1, 2, 4)
     ]
-    for method, snap, s in cases:
+    classes = {"ewma": "EWMA", "keep_old_actor": "KeepOldActor"}
+    for method, dtype, s in cases:
+        node = {"_component_": C + classes[method]}
+        if dtype is not None:
+            node["storage_dtype"] = dtype
         x = PlanInputs(
             actor=args,
             critic=None,
@@ -175,13 +193,13 @@ def planned_4b() -> None:
             logits_chunk=1024,
             actor_optimizer=adamw,
             critic_optimizer=adamw,
-            correction=method,
-            snapshot_bytes=snap,
-            max_staleness=s,
+            correction=correction_cost(
+                OmegaConf.create(node), max_staleness=s, partial_rollout=False
+            ),
             gpu_mem_bytes=80 * GiB,
         )
         item = next(i for i in plan_memory(x).items if i.name.startswith("correction"))
-        store = {None: "fp32", 2: "bf16"}[snap] if method == "keep_old_actor" else "fp32 θ̄"
+        store = (dtype or "fp32") if method == "keep_old_actor" else "fp32 θ̄"
         rows.append(
             [
                 method,
@@ -210,6 +228,91 @@ def planned_4b() -> None:
     print(markdown_table(heads, rows))
 
 
+# Section 3: tiny_cpu with one switch changed per case; "wider" swaps in a D = 256, 4-layer model.
+WIDER = model_overrides(256, 4)
+PLAN_CASES: dict[str, list[str]] = {
+    "tiny_cpu": [],
+    "activation_checkpointing": ["activation_checkpointing=true"],
+    "AdamW8bit": [
+        "optimizer._component_=torchao.optim.AdamW8bit",
+        "critic.optimizer._component_=torchao.optim.AdamW8bit",
+    ],
+    "KeepOldActor": ["~correction", f"+correction._component_={C}KeepOldActor"],
+    "grpo + TIS (no critic)": [
+        "advantage_estimator=grpo",
+        "~correction",
+        f"+correction._component_={C}TIS",
+    ],
+    "score_micro_batch_size=16": ["ppo.score_micro_batch_size=16"],
+    "max_new_tokens=48": ["rollout.max_new_tokens=48"],
+    "max_new_tokens=48, AC": ["rollout.max_new_tokens=48", "activation_checkpointing=true"],
+    "wider": WIDER,
+    "wider, max_new_tokens=48, score_micro_batch_size=16": [
+        *WIDER,
+        "rollout.max_new_tokens=48",
+        "ppo.score_micro_batch_size=16",
+    ],
+    "wider, max_new_tokens=48, AC, KeepOldActor": [
+        *WIDER,
+        "rollout.max_new_tokens=48",
+        "activation_checkpointing=true",
+        "~correction",
+        f"+correction._component_={C}KeepOldActor",
+    ],
+}
+
+
+def recipe_tensor_peak(overrides: list[str], out_dir: Path) -> int:
+    """Peak live tensor bytes of the recipe's trainer (this process) from setup to the last
+    step of ``tiny_cpu`` with ``overrides``; torchao's compiled steps run eagerly (compiling
+    refuses to run under a dispatch mode)."""
+    recipe = runpy.run_path(str(REPO / "recipes" / "async_ppo.py"), run_name="recipe")
+    cfg = load_config("tiny_cpu", [*QUIET_RUN, f"output_dir={out_dir}", *overrides])
+    run = recipe["AsyncPPORecipe"](cfg)
+    tracker = TensorMemoryTracker()
+    try:
+        with tracker, torch.compiler.set_stance("force_eager"):
+            run.setup(cfg)
+            run.train()
+    finally:
+        run.cleanup()
+    return tracker.peak["cpu"]
+
+
+def plan_vs_measured(args) -> list[list[str]]:
+    """Section 3: the formula and the measured plan against the recipe's real peak, per case."""
+    cases = {"tiny_cpu": []} if args.quick else PLAN_CASES
+    rows = []
+    for name, over in cases.items():
+        over = [f"total_steps={args.plan_steps}", *over]
+        real = recipe_tensor_peak(over, args.out / "plan" / name.replace(" ", "_"))
+        cfg = load_config("tiny_cpu", over)
+        formula = plan_from_config(cfg).tensor_total
+        fake = measure_from_config(cfg)
+        rows.append(
+            [
+                name,
+                f"{real / 2**20:.2f}",
+                f"{formula / 2**20:.2f}",
+                f"{formula / real - 1:+.1%}",
+                f"{fake.peak / 2**20:.2f}",
+                f"{fake.peak / real - 1:+.1%}",
+                f"{fake.seconds:.1f}",
+            ]
+        )
+    heads = [
+        "case",
+        "recipe peak MiB",
+        "formula MiB",
+        "formula error",
+        "fake-tensor step MiB",
+        "fake-tensor error",
+        "fake-tensor s",
+    ]
+    print(markdown_table(heads, rows))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, 2 methods, 3 steps")
@@ -217,6 +320,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="layers of the wider model")
     p.add_argument("--staleness", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--plan-steps", type=int, default=3, help="recipe steps per case in section 3")
+    p.add_argument("--only-plan", action="store_true", help="section 3 only")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT / "memory")
     args = p.parse_args()
@@ -225,10 +330,13 @@ def main() -> None:
         args.steps = 3
         args.out = args.out.with_name("memory_quick")
     print(f"machine: {machine()}")
-    print(f"\n## 1. measured per method (load average {load_average():.2f})")
-    measured(args)
-    print("\n## 2. planned: Qwen3-4B on 8 GPUs")
-    planned_4b()
+    if not args.only_plan:
+        print(f"\n## 1. measured per method (load average {load_average():.2f})")
+        measured(args)
+        print("\n## 2. planned: Qwen3-4B on 8 GPUs")
+        planned_4b()
+    print(f"\n## 3. the plan against measured peaks, CPU (load average {load_average():.2f})")
+    plan_vs_measured(args)
 
 
 if __name__ == "__main__":

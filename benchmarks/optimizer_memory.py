@@ -28,11 +28,10 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
-from _common import DEFAULT_OUT, QUIET_RUN, REPO, machine
+from _common import DEFAULT_OUT, QUIET_RUN, REPO, TensorMemoryTracker, machine
 
 from minippo.config import load_config
 from minippo.models import Transformer, init_weights, qwen3_tiny
-from minippo.training.memory_plan import TensorMemoryTracker
 from minippo.training.metrics import read_jsonl
 from minippo.training.optimizers import build_optimizer
 

@@ -15,14 +15,18 @@ DESCRIPTION = textwrap.dedent(
     """\
     Print the per-rank memory plan of a run: parameters, gradients and optimizer states of the
     actor and critic, activations at the configured micro-batch and sequence length (with and
-    without activation checkpointing), the reference model, the correction state (EWMA copy or
-    old-actor snapshots), the engine's share of GPU memory; then whether it fits in gpu_mem_gib
-    per GPU, the biggest items and the switches that would shrink them. Nothing is allocated: the
-    model is built on the meta device. See docs/memory.md for every formula.
+    without activation checkpointing), the reference model, the weights the correction stores,
+    the engine's share of GPU memory; then whether it fits in gpu_mem_gib per GPU, the biggest
+    items and the switches that would shrink them. Nothing is allocated.
+
+    The totals and the verdict come from one recipe step of the configured models run on fake
+    tensors (FakeTensorMode: real shapes, no data; seconds for small models, about a minute for
+    billions of parameters), which was closer to measured peaks than the formulas on every CPU
+    case of docs/memory.md; the items come from the formulas. --formula-only skips the step.
 
     gpu_mem_gib=N, nproc_per_node=N and device=cuda|cpu are plan inputs given like overrides
-    (defaults: 80 GiB; the config's nproc_per_node key or 1 rank; the config's device key, else
-    cuda for an SGLang engine and cpu otherwise); every other key=value overrides the config.
+    (defaults: 80 GiB; 1 rank; cuda when the engine class reserves a share of GPU memory, as
+    SGLang's mem_fraction_static does, else cpu); every other key=value overrides the config.
     """
 )
 
@@ -37,13 +41,19 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
             """\
             examples:
               minippo plan --config tiny_cpu
-              minippo plan --config qwen3_4b_dapo_math_8gpu gpu_mem_gib=141 nproc_per_node=8
-              minippo plan --config qwen3_4b_dapo_math_8gpu activation_checkpointing=false
+              minippo plan --config qwen3_4b_dapo_math_8gpu gpu_mem_gib=141 nproc_per_node=8 \\
+                  checkpoint_path=null 'model={_component_: minippo.models.qwen3_4b}'
+              minippo plan --formula-only --config tiny_cpu activation_checkpointing=true
             """
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", required=True, help="built-in config name or path to a YAML")
+    p.add_argument(
+        "--formula-only",
+        action="store_true",
+        help="skip the measured step: totals and verdict from the formulas (instant)",
+    )
     p.add_argument(
         "overrides",
         nargs="*",
@@ -56,20 +66,21 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 def run_plan(args: argparse.Namespace) -> int:
     """Load the config, apply overrides, print the plan; exit code 0 when it fits (or on CPU),
     1 when it does not fit."""
-    from minippo.training.memory_plan import plan_from_config
+    from minippo.plan import plan_from_config
 
     overrides, extra = _split_plan_keys(list(args.overrides))
     check_no_flags(overrides)
     cfg = load_config(args.config, overrides)
-    if "device" in extra:
-        cfg.device = extra["device"]
-    nproc = extra.get("nproc_per_node")
-    gpu = extra.get("gpu_mem_gib")
-    plan = plan_from_config(
-        cfg,
-        gpu_mem_gib=DEFAULT_GPU_MEM_GIB if gpu is None else gpu,
-        world_size=None if nproc is None else int(nproc),
-    )
+    kw = {
+        "gpu_mem_gib": float(extra.get("gpu_mem_gib", DEFAULT_GPU_MEM_GIB)),
+        "world_size": int(extra.get("nproc_per_node", 1)),
+        "device": extra.get("device"),
+    }
+    plan = plan_from_config(cfg, **kw)
+    if not getattr(args, "formula_only", False):
+        from minippo.plan import measure_from_config
+
+        plan.measured = measure_from_config(cfg, **kw)
     print(plan.table())
     return 0 if plan.fits in (True, None) else 1
 

@@ -5,12 +5,12 @@ import copy
 import pytest
 import torch
 
+from benchmarks._common import TensorMemoryTracker
 from minippo.models import Transformer, ValueModel, init_weights, qwen3_tiny, token_logprobs
 from minippo.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     is_activation_checkpointed,
 )
-from minippo.training.memory_plan import TensorMemoryTracker
 from tests.helpers import run_on_ranks, saved_bytes
 
 B, S, P = 2, 32, 8

@@ -1,11 +1,15 @@
 """The memory planner: exact per-block activation bytes, agreement with the measured peak of the
-tiny job on CPU (within 15%), config reading with clear errors, and the ``plan`` command.
+tiny job on CPU (within 15%), config reading from the components with clear errors, the measured
+plan (one recipe step on fake tensors), and the ``plan`` command.
 
 What is compared: the plan's "trainer total" (parameters, gradients, optimizer states of actor and
 critic, the larger activation set, correction state; on CPU host items are RAM too) against the
 peak of live tensor bytes that :class:`TensorMemoryTracker` records while the tiny job builds the
 actor, critic, optimizers and correction state and runs two training steps (two micro-batches of
 gradient accumulation each, actor then critic, correction prepare / EWMA update / snapshots).
+
+``WeightCopies`` / ``FakeSnapshots`` below stand for a correction class defined outside the
+package that implements the interface the plan reads (``stored_weights``, ``scoring_passes``).
 """
 
 import argparse
@@ -18,6 +22,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from benchmarks._common import TensorMemoryTracker
 from minippo.config import ConfigError, load_config
 from minippo.models import (
     Transformer,
@@ -29,21 +34,61 @@ from minippo.models import (
     token_logprobs,
 )
 from minippo.parallel.activation_checkpointing import apply_activation_checkpointing
-from minippo.rl.correction import build_correction
-from minippo.rl.types import RolloutBatch
-from minippo.training.memory_plan import (
+from minippo.plan import (
     GiB,
     PlanInputs,
-    TensorMemoryTracker,
     block_saved_bytes_per_token,
+    correction_cost,
+    measure_from_config,
     model_param_shapes,
     plan_from_config,
+    plan_inputs_from_config,
     plan_memory,
 )
+from minippo.rl.correction import build_correction
+from minippo.rl.types import RolloutBatch
 from minippo.training.optimizers import build_optimizer, optimizer_spec
 from tests.helpers import saved_bytes
 
 CORRECTIONS = {"ewma": "EWMA", "keep_old_actor": "KeepOldActor", "tis": "TIS"}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightCopies:
+    """The fields of ``minippo.rl.correction.WeightCopies``."""
+
+    what: str
+    copies: int
+    dtype: str | None
+    storage: str
+
+
+class FakeSnapshots:
+    """A correction class from outside the package: ``versions`` snapshots (max_staleness + 1)
+    in ``storage`` at ``storage_dtype``, one master-dtype scratch copy on the accelerator, and
+    ``passes`` no-grad actor forwards per step."""
+
+    def __init__(self, *, storage: str = "accelerator", storage_dtype=None, passes: int = 1):
+        pass
+
+    @classmethod
+    def stored_weights(
+        cls, *, max_staleness, partial_rollout, storage="accelerator", storage_dtype=None, passes=1
+    ):
+        if storage not in ("cpu", "accelerator"):
+            raise ValueError(f"storage={storage!r}")
+        versions = max_staleness + 1 + int(partial_rollout)
+        return [
+            WeightCopies("snapshots", versions, storage_dtype, storage),
+            WeightCopies("scratch", 1, None, "accelerator"),
+        ]
+
+    @classmethod
+    def scoring_passes(cls, *, max_staleness, passes=1, **options):
+        return passes
+
+
+FAKE = f"{__name__}.FakeSnapshots"
 
 
 def _saved_bytes(model, tokens, mask, positions) -> int:
@@ -178,8 +223,9 @@ def tiny_job_peak(
         logits_chunk=chunk,
         actor_optimizer=spec,
         critic_optimizer=spec,
-        correction=correction,
-        max_staleness=max_staleness,
+        correction=correction_cost(
+            cfg.correction, max_staleness=max_staleness, partial_rollout=False
+        ),
         score_rows=2 * micro_batch,  # prepare() scores the whole step batch in one forward
     )
     return tracker.peak["cpu"], plan_memory(x)
@@ -198,7 +244,15 @@ RECIPE, TINY = REPO / "recipes" / "async_ppo.py", REPO / "configs" / "tiny_cpu.y
 @pytest.mark.skipif(not (RECIPE.exists() and TINY.exists()), reason="needs the async_ppo recipe")
 def test_plan_agrees_with_the_measured_peak_of_the_tiny_cpu_recipe_run(tmp_path):
     """The real recipe (configs/tiny_cpu.yaml, 3 steps, TorchEngine in its own process): the
-    trainer process's peak of live tensor bytes, from setup to the last step, against the plan."""
+    trainer process's peak of live tensor bytes, from setup to the last step, against the formula
+    (within 15%) and against the measured plan, one step on fake tensors.
+
+    The fake step runs the recipe's own functions on the same shapes, so it may miss only what the
+    recipe allocates outside steps 2 and 4: the weight publish, one bucket of the actor's full
+    weights at a time (at most the actor's fp32 bytes, alive after the updates); and it pads every
+    row to the longest prompt and max_new_tokens, as the toy task's batches are (one prompt
+    length; some row of each 128-row batch reaches 4 tokens). Hence |fake - real| <= the actor's
+    fp32 bytes."""
     recipe = runpy.run_path(str(RECIPE), run_name="recipe")["AsyncPPORecipe"]
     cfg = load_config(
         TINY,
@@ -222,6 +276,9 @@ def test_plan_agrees_with_the_measured_peak_of_the_tiny_cpu_recipe_run(tmp_path)
     measured = tracker.peak["cpu"]
     err = plan.trainer_total / measured - 1
     assert abs(err) < 0.15, (plan.trainer_total, measured, err)
+    fake = measure_from_config(cfg).peak
+    actor_bytes = 4 * sum(math.prod(s) for s in model_param_shapes(qwen3_tiny()))
+    assert abs(fake - measured) <= actor_bytes, (fake, measured, actor_bytes)
 
 
 def test_plan_agrees_with_measured_peak_of_the_tiny_job():
@@ -290,7 +347,7 @@ def test_plan_from_config_for_a_4b_model_on_8_gpus():
     assert abs(items["actor optimizer states"].device - 2 * params) < 1e6
     # tied lm_head: the critic has the same embeddings and blocks plus a D -> 1 head
     assert items["critic parameters"].device == pytest.approx(params, rel=1e-4)
-    snap = items["correction (keep_old_actor)"]
+    snap = items["correction (KeepOldActor)"]
     assert snap.device == 0 and snap.host == pytest.approx(
         5 * params, rel=0.01
     )  # 4 versions + swap
@@ -329,7 +386,13 @@ def test_switches_shrink_what_they_should():
     # the whole per-rank batch (rollout.groups_per_batch x samples / ranks) scored in one forward
     whole = _plan(
         _run_cfg(
-            rollout={"max_new_tokens": 8192, "groups_per_batch": 64, "samples_per_prompt": 8},
+            rollout={
+                "max_new_tokens": 8192,
+                "max_staleness": 2,
+                "partial_rollout": True,
+                "groups_per_batch": 64,
+                "samples_per_prompt": 8,
+            },
             ppo={"micro_batch_size": 1},
         )
     )
@@ -338,10 +401,10 @@ def test_switches_shrink_what_they_should():
         item(whole, "no-grad scoring passes").device
         > 10 * item(base, "no-grad scoring passes").device
     )
-    assert item(ewma, "correction (ewma)").device > 0 and ewma.host_total == 0
+    assert item(ewma, "correction (EWMA)").device > 0 and ewma.host_total == 0
     # swap_storage: cpu moves the swap buffer (one master-dtype copy of the shards) to the host
-    moved = item(ewma, "correction (ewma)").device - item(ewma_host, "correction (ewma)").device
-    assert moved == item(ewma_host, "correction (ewma)").host > 0
+    moved = item(ewma, "correction (EWMA)").device - item(ewma_host, "correction (EWMA)").device
+    assert moved == item(ewma_host, "correction (EWMA)").host > 0
     assert ewma_host.device_total == ewma.device_total - moved
     assert sleep.device_total == base.device_total - item(base, "engine (mem_fraction)").device
     small = _plan(_run_cfg(), gpu=20)
@@ -352,7 +415,7 @@ def test_switches_shrink_what_they_should():
 def test_missing_or_bad_keys_are_named():
     cfg = _run_cfg()
     del cfg["ppo"]
-    with pytest.raises(ConfigError, match=r"micro-batch size \(looked for ppo\.micro_batch_size"):
+    with pytest.raises(ConfigError, match=r"the config has no ppo\.micro_batch_size"):
         plan_from_config(cfg)
     cfg = _run_cfg()
     del cfg.dataset["max_prompt_tokens"]
@@ -372,10 +435,15 @@ def test_missing_or_bad_keys_are_named():
 
 def test_llama_and_tied_models_plan_without_allocating():
     # a model far too large to allocate here is planned from shapes on the meta device
-    cfg = _run_cfg(model={"_component_": "minippo.models.qwen3_8b"})
+    cfg = _run_cfg(
+        model={"_component_": "minippo.models.qwen3_8b"}, correction={"_component_": FAKE}
+    )
     plan = _plan(cfg)
     assert plan.items[0].device > 3.5e9  # 8.2B fp32 / 8
-    plan = plan_from_config(_run_cfg(model={"_component_": "minippo.models.llama3_2_1b"}))
+    cfg = _run_cfg(
+        model={"_component_": "minippo.models.llama3_2_1b"}, correction={"_component_": FAKE}
+    )
+    plan = plan_from_config(cfg)
     assert plan.items[0].device > 0 and llama3_2_1b().tie_word_embeddings
 
 
@@ -383,19 +451,28 @@ def test_plan_command_prints_the_table_and_exit_code(capsys, tmp_path):
     from minippo._cli.plan import add_plan_parser
 
     path = tmp_path / "run.yaml"
-    path.write_text(OmegaConf.to_yaml(_run_cfg()))
+    path.write_text(OmegaConf.to_yaml(_run_cfg(correction={"_component_": FAKE})))
     parser = argparse.ArgumentParser()
     add_plan_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(
-        ["plan", "--config", str(path), "gpu_mem_gib=141", "ppo.micro_batch_size=2"]
+        [
+            "plan",
+            "--formula-only",
+            "--config",
+            str(path),
+            "gpu_mem_gib=141",
+            "ppo.micro_batch_size=2",
+        ]
     )
     code = args.func(args)
     out = capsys.readouterr().out
     assert "micro_batch 2" in out and ("FITS" in out) == (code == 0)
-    args = parser.parse_args(["plan", "--config", str(path), "gpu_mem_gib=8", "nproc_per_node=8"])
+    args = parser.parse_args(
+        ["plan", "--formula-only", "--config", str(path), "gpu_mem_gib=8", "nproc_per_node=8"]
+    )
     assert args.func(args) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
-    args = parser.parse_args(["plan", "--config", str(path), "gpu_mem_gib=lots"])
+    args = parser.parse_args(["plan", "--formula-only", "--config", str(path), "gpu_mem_gib=lots"])
     with pytest.raises(ConfigError, match="must be a number"):
         args.func(args)
 
@@ -418,3 +495,147 @@ def test_shipped_gpu_configs_fit_with_checkpointing_and_micro_batched_scoring(na
     plan = plan_from_config(cfg, gpu_mem_gib=80, world_size=ranks)
     assert plan.inputs.device == "cuda"
     assert plan.fits, plan.table()
+
+
+def _item(plan, prefix):
+    return next(i for i in plan.items if i.name.startswith(prefix))
+
+
+def test_the_correction_item_is_what_the_class_declares():
+    node = OmegaConf.create({"_component_": FAKE, "storage_dtype": "bf16"})
+    cost = correction_cost(node, max_staleness=2, partial_rollout=True)
+    assert cost.name == "FakeSnapshots" and cost.scoring_passes == 1
+    # the node's options reach the class; what the node omits is the class's default
+    assert cost.stored == (
+        WeightCopies("snapshots", 4, "bf16", "accelerator"),
+        WeightCopies("scratch", 1, None, "accelerator"),
+    )
+    # storage (default "accelerator") could move to the host; bf16 is already 2 bytes
+    assert [override for override, _ in cost.switches] == ["correction.storage=cpu"]
+
+    # in a plan: copies x P x dtype bytes (None: the fp32 master weights), device or host
+    plan = _plan(_run_cfg(correction=node))  # max_staleness 2 + 1, partial rollouts + 1
+    P = plan.actor_numel
+    assert _item(plan, "correction").device == 4 * P * 2 + P * 4
+    assert _item(plan, "correction").host == 0
+    host = _plan(_run_cfg(correction={"_component_": FAKE, "storage": "cpu"}))
+    assert (_item(host, "correction").device, _item(host, "correction").host) == (4 * P, 4 * P * 4)
+    # the switches are the advice, with the bytes they save
+    many = _plan(
+        _run_cfg(
+            correction={"_component_": FAKE},
+            rollout={"max_new_tokens": 8192, "max_staleness": 8, "partial_rollout": False},
+        )
+    )
+    saved = 9 * P * 4
+    assert f"correction.storage=cpu ({saved / GiB:.2f} GiB less on the device" in many.table()
+    moved = _plan(
+        _run_cfg(
+            correction={"_component_": FAKE, "storage": "cpu"},
+            rollout={"max_new_tokens": 8192, "max_staleness": 8, "partial_rollout": False},
+        )
+    )
+    assert f"host: correction.storage_dtype=bf16 stores {9 * P * 2 / GiB:.2f} GiB less" in (
+        moved.table()
+    )
+
+
+def test_no_actor_scoring_pass_when_the_class_needs_none():
+    def scoring(**over):
+        return _item(_plan(_run_cfg(advantage_estimator="grpo", **over)), "no-grad")
+
+    assert scoring(correction={"_component_": FAKE, "passes": 0}).note == "none"
+    assert scoring(correction={"_component_": FAKE, "passes": 0}).device == 0
+    assert scoring(correction={"_component_": FAKE}).device > 0
+    # the reference model is scored whatever the correction needs
+    ref = scoring(correction={"_component_": FAKE, "passes": 0}, kl={"coef": 0.1})
+    assert ref.device > 0
+
+
+def test_a_correction_class_without_the_interface_is_named():
+    cfg = _run_cfg(correction={"_component_": "minippo.models.Transformer"})
+    with pytest.raises(ConfigError, match=r"minippo\.models\.Transformer has no stored_weights"):
+        plan_from_config(cfg)
+
+
+def test_engine_options_the_config_omits_come_from_the_engine_class():
+    import inspect
+
+    from minippo.engine.sglang_engine import SGLangEngine
+
+    default = inspect.signature(SGLangEngine).parameters["mem_fraction_static"].default
+    engine = {"_component_": "minippo.engine.sglang_engine.SGLangEngine"}
+    plan = _plan(_run_cfg(engine=engine, correction={"_component_": FAKE}))
+    assert plan.inputs.device == "cuda"  # an engine that takes a share of GPU memory
+    assert _item(plan, "engine").device == int(default * 141 * GiB)
+    # TorchEngine takes no share of GPU memory: a CPU plan without an engine item
+    torch_engine = {"_component_": "minippo.engine.torch_engine.TorchEngine"}
+    plan = _plan(_run_cfg(engine=torch_engine, correction={"_component_": FAKE}))
+    assert plan.inputs.device == "cpu" and not any(i.name.startswith("engine") for i in plan.items)
+
+
+def test_mixed_precision_on_one_rank_keeps_fp32_master_weights():
+    # dtype=bf16 on one rank is FSDP2 mixed precision (torchrun --nproc-per-node 1): fp32 master
+    # weights and bf16 all-gathered copies, as on 8 ranks
+    cfg = _run_cfg(correction={"_component_": FAKE})
+    plan = plan_from_config(cfg, gpu_mem_gib=141, world_size=1)
+    n = sum(math.prod(s) for s in model_param_shapes(qwen3_4b()))
+    assert _item(plan, "actor parameters").device == n * 4
+    assert _item(plan, "actor FSDP working set").device > 0
+    fp32 = plan_from_config(_run_cfg(dtype="fp32", correction={"_component_": FAKE}))
+    assert not any("FSDP" in i.name for i in fp32.items)
+
+
+def _tiny_cfg(*over):
+    return load_config(
+        TINY,
+        ["~correction", f"+correction._component_={FAKE}", "ppo.score_micro_batch_size=16", *over],
+    )
+
+
+@pytest.mark.skipif(not TINY.exists(), reason="needs configs/tiny_cpu.yaml")
+@pytest.mark.parametrize(("ranks", "dtype"), [(1, "fp32"), (2, "bf16")])
+def test_the_fake_tensor_step_allocates_what_the_real_step_does(ranks, dtype):
+    """One recipe step of tiny_cpu (actor, critic, AdamW, activation checkpointing, the fake
+    correction's stored copies; on 2 ranks FSDP2 over the fake process group in bf16):
+    FakeTensorMode gives every tensor its real shape and dtype and only leaves out the data, and
+    the same ops run on the same shapes, so the peak of live bytes is the same to the byte as on
+    real tensors."""
+    cfg = _tiny_cfg("activation_checkpointing=true", f"dtype={dtype}")
+    fake = measure_from_config(cfg, world_size=ranks)
+    real = measure_from_config(cfg, world_size=ranks, fake=False)
+    assert fake.peak == real.peak > 0
+    assert fake.by_kind == real.by_kind
+    assert sum(fake.by_kind.values()) == fake.peak
+    # the formula counts the same things: within its 15%
+    plan = plan_from_config(cfg, world_size=ranks)
+    assert abs(plan.tensor_total / fake.peak - 1) < 0.15, (plan.tensor_total, fake.peak)
+
+
+@pytest.mark.skipif(not TINY.exists(), reason="needs configs/tiny_cpu.yaml")
+def test_plan_command_takes_its_totals_from_the_measured_step(capsys):
+    from minippo._cli.plan import add_plan_parser
+
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    over = ["~correction", f"+correction._component_={FAKE}"]
+    args = parser.parse_args(["plan", "--config", "tiny_cpu", *over])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "trainer total, measured" in out and "one recipe step on fake tensors (cpu" in out
+    assert "at the measured peak (MiB, device and host): parameter" in out
+    # the same config's plan with the measured step attached: its totals are the step's peak
+    cfg = load_config(TINY, over)
+    plan = plan_from_config(cfg)
+    plan.measured = measure_from_config(cfg)
+    assert plan.trainer_total == plan.measured.peak != plan.formula_trainer_total
+    assert f"{plan.measured.peak / 2**20:.2f}" in out
+
+
+def test_plan_inputs_need_the_recipe_keys():
+    cfg = _run_cfg(correction={"_component_": FAKE})
+    del cfg["advantage_estimator"]
+    with pytest.raises(ConfigError, match="no advantage_estimator"):
+        plan_inputs_from_config(cfg)
+    with pytest.raises(ValueError, match="advantage_estimator must be one of"):
+        plan_inputs_from_config(_run_cfg(advantage_estimator="rloo"))

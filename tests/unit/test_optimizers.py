@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from benchmarks._common import TensorMemoryTracker
 from minippo.config import ConfigError, instantiate, load_config
 from minippo.models import Transformer, init_weights, qwen3_tiny
 from minippo.training.checkpoint import Checkpointer
-from minippo.training.memory_plan import TensorMemoryTracker
 from minippo.training.metrics import read_jsonl
 from minippo.training.optimizers import (
     OPTIMIZER_SPECS,

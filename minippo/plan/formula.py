@@ -1,4 +1,4 @@
-"""Will a run fit? A per-rank memory plan computed from shapes, without allocating the model.
+"""The memory plan's formulas: per-rank bytes of every item of a run, from shapes alone.
 
 Everything is counted per rank (one GPU, or one process on CPU). Sharded state follows FSDP2's
 dim-0 split; rank 0 holds the largest shard, so the plan is rank 0's. For a parameter of shape
@@ -10,20 +10,18 @@ bytes; T = micro_batch · seq_len tokens, R = micro_batch · response_len scored
     parameters            P · m                                  (FSDP2 sharded master weights)
     gradients             P · m                                  (sharded, same dtype as params)
     optimizer states      see minippo.training.optimizers.optimizer_state_bytes
-    FSDP working set      (W > 1) all-gathered root group (embeddings, final norm, lm_head) for the
-                          whole step + 2 blocks (current + prefetched), in c; + the root group's
-                          unsharded gradients in c and in the fp32 reduce dtype
+    FSDP working set      (sharded) all-gathered root group (embeddings, final norm, lm_head) for
+                          the whole step + 2 blocks (current + prefetched), in c; + the root
+                          group's unsharded gradients in c and in the fp32 reduce dtype
     activations           saved for backward: Σ_blocks block_bytes(T) + globals (see
                           ``block_saved_bytes_per_token``); with activation checkpointing only each
                           block's input c·T·D is kept and one block is recomputed at a time;
                           plus the lm_head chunk recomputed in backward (chunked logprobs)
     reference model       P · m (frozen, sharded like the actor, no gradients or optimizer)
     critic                the same four items for the value model
-    correction            ewma: P · 4 (fp32 θ̄) on the device + P · m (swap buffer: device, or
-                          host with swap_storage: cpu);
-                          keep_old_actor: live versions · P · storage bytes (+ P · m swap buffer)
-                          in host memory ("cpu", the default) or on the device ("accelerator");
-                          live versions = max_staleness + 1 (+ 1 with partial rollouts)
+    correction            what the correction class declares (``stored_weights``): per entry
+                          copies · P · its dtype's bytes (None: m), on the device ("accelerator")
+                          or in host memory ("cpu")
     no-grad passes        reference logprobs / critic values / correction anchors before the updates:
                           one forward's working set (``scoring_bytes``) over score_rows sequences
     engine                engine.mem_fraction_static · GPU memory (SGLang's static pool: weights + KV)
@@ -33,149 +31,41 @@ Actor and critic run their backward passes one after the other, so only the larg
 activation sets is counted at the peak. Gradients and training activations (the "train" phase)
 and the no-grad passes (the "score" phase) are never alive together: the peak is the larger
 phase on top of everything else.
-
-Measuring on CPU: :class:`TensorMemoryTracker` counts the bytes of every live tensor storage
-(created under it or registered with ``track``) and records the peak; the plan's
-"trainer device total" is checked against it on the tiny job (tests/unit/test_memory_plan.py).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
-from minippo.config import ConfigError, locate
-from minippo.models.logprobs import DEFAULT_CHUNK_SIZE
+from minippo.config import dtype_bytes
 from minippo.training.optimizers import (
     OptimizerSpec,
     StateBytes,
     local_numel,
-    optimizer_spec,
     optimizer_state_bytes,
 )
 
 __all__ = [
     "ActivationBytes",
+    "CorrectionCost",
+    "GiB",
     "MemoryPlan",
     "PlanInputs",
     "PlanItem",
-    "TensorMemoryTracker",
     "activation_bytes",
     "block_saved_bytes_per_token",
     "model_param_shapes",
-    "plan_from_config",
-    "plan_inputs_from_config",
     "plan_memory",
     "scoring_bytes",
 ]
 
 GiB = 1 << 30
 CUDA_CONTEXT_BYTES = 1 * GiB
-DTYPE_BYTES = {
-    "float32": 4,
-    "fp32": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-}
-
-
-# ----------------------------------------------------------------------------------------------
-# Measuring: live tensor bytes on any device (CPU included)
-
-
-class TensorMemoryTracker(TorchDispatchMode):
-    """Bytes of live tensor storages, and their peak, per device type.
-
-    Every tensor an op creates under the tracker is counted until its storage is freed (a weak
-    reference callback); tensors that exist before (a model's parameters, an optimizer's state)
-    are added with :meth:`track`. Subclass tensors (torchao's quantized optimizer states) count
-    their inner storages. DTensor ops are let through so that their local ops are what is counted.
-
-    Example::
-
-        tracker = TensorMemoryTracker()
-        tracker.track(model)
-        with tracker:
-            loss = model(x).sum(); loss.backward(); opt.step()
-        tracker.peak["cpu"]
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.current: dict[str, int] = {}
-        self.peak: dict[str, int] = {}
-        self._refs: dict[int, weakref.ref] = {}
-
-    def track(self, *objs: Any) -> TensorMemoryTracker:
-        """Count tensors that already exist: modules (parameters, buffers, grads), optimizers
-        (state), tensors, or containers of them."""
-        for obj in objs:
-            if isinstance(obj, nn.Module):
-                for t in [*obj.parameters(), *obj.buffers()]:
-                    self._add(t)
-                    if t.grad is not None:
-                        self._add(t.grad)
-            elif isinstance(obj, torch.optim.Optimizer):
-                for state in obj.state.values():
-                    self.track(list(state.values()))
-            elif isinstance(obj, torch.Tensor):
-                self._add(obj)
-            else:
-                leaves, _ = tree_flatten(obj)
-                if leaves == [obj]:  # not a container: nothing to count
-                    continue
-                self.track(*leaves)
-        return self
-
-    def _add(self, t: torch.Tensor) -> None:
-        if type(t).__name__ == "DTensor":
-            t = t.to_local()
-        if is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            for n in names:
-                inner = getattr(t, n)
-                if isinstance(inner, torch.Tensor):
-                    self._add(inner)
-            return
-        if t.device.type == "meta":
-            return
-        st = t.untyped_storage()
-        key = id(st)
-        if key in self._refs and self._refs[key]() is st:
-            return
-        nbytes, dev = st.nbytes(), t.device.type
-
-        def freed(_ref, nbytes=nbytes, dev=dev, key=key):
-            self.current[dev] -= nbytes
-            self._refs.pop(key, None)
-
-        self._refs[key] = weakref.ref(st, freed)
-        self.current[dev] = self.current.get(dev, 0) + nbytes
-        if self.current[dev] > self.peak.get(dev, 0):
-            self.peak[dev] = self.current[dev]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t.__name__ == "DTensor" for t in types):
-            return NotImplemented
-        out = func(*args, **(kwargs or {}))
-        leaves, _ = tree_flatten(out)
-        for t in leaves:
-            if isinstance(t, torch.Tensor):
-                self._add(t)
-        return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,6 +202,41 @@ def activation_bytes(
 # The plan
 
 
+@dataclass(frozen=True)
+class CorrectionCost:
+    """What the plan needs to know about the correction, as its class declares it (read by
+    :func:`minippo.plan.correction_cost` from ``stored_weights`` and ``scoring_passes``).
+
+    Fields:
+        name:           the class name, for the table
+        stored:         the class's ``WeightCopies`` (``what``, ``copies`` of the actor's local
+                        shards, ``dtype`` name or None for the master dtype, ``storage`` "cpu" |
+                        "accelerator")
+        scoring_passes: extra no-grad actor forwards per step (0: no actor scoring pass)
+        switches:       ``(override, stored)`` pairs: another value of one of the class's options
+                        (``correction.swap_storage=cpu``) and the weights it would store then
+    """
+
+    name: str
+    stored: tuple[Any, ...] = ()
+    scoring_passes: int = 0
+    switches: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+
+    def bytes(
+        self, P: int, master_bytes: int, stored: tuple[Any, ...] | None = None
+    ) -> tuple[int, int]:
+        """(device, host) bytes of ``stored`` (default: this correction's) for ``P`` local
+        parameter elements of the actor."""
+        device = host = 0
+        for c in self.stored if stored is None else stored:
+            n = c.copies * P * (master_bytes if c.dtype is None else dtype_bytes(c.dtype))
+            if c.storage == "cpu":
+                host += n
+            else:
+                device += n
+        return device, host
+
+
 @dataclass
 class PlanInputs:
     """Everything the plan depends on (read from a run config by :func:`plan_from_config`).
@@ -326,11 +251,7 @@ class PlanInputs:
         micro_batch, seq_len, response_len: one training forward (sequences, tokens, scored)
         activation_checkpointing, logits_chunk
         actor_optimizer / critic_optimizer: (OptimizerSpec, minimal_size)
-        correction:              method name (ewma, keep_old_actor, tis, ...)
-        snapshot_storage:        "cpu" or "accelerator" (keep_old_actor)
-        swap_storage:            "accelerator" or "cpu" (ewma's swap buffer)
-        snapshot_bytes:          bytes per element of a snapshot (None: master_bytes)
-        max_staleness, partial_rollout
+        correction:              :class:`CorrectionCost` of the correction class
         score_rows:              sequences per forward of the no-grad passes (None: micro_batch)
         engine_mem_fraction:     fraction of GPU memory the engine takes (GPU only)
         engine_sleeps:           SGLang memory_mode "sleep": the engine releases its memory while
@@ -354,18 +275,19 @@ class PlanInputs:
     logits_chunk: int
     actor_optimizer: tuple[OptimizerSpec, int]
     critic_optimizer: tuple[OptimizerSpec, int]
-    correction: str
-    snapshot_storage: str = "cpu"
-    swap_storage: str = "accelerator"
-    snapshot_bytes: int | None = None
-    max_staleness: int = 0
-    partial_rollout: bool = False
+    correction: CorrectionCost
     score_rows: int | None = None
     engine_mem_fraction: float | None = None
     engine_sleeps: bool = False
     engine_weights_host_copy: bool = False
     gpu_mem_bytes: int | None = None
     mask: bool = True
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 shards the models: more than one rank, or mixed precision (the recipe refuses a
+        compute dtype other than fp32 without a process group)."""
+        return self.world_size > 1 or self.compute_bytes != self.master_bytes
 
 
 @dataclass
@@ -382,8 +304,15 @@ class PlanItem:
 
 @dataclass
 class MemoryPlan:
+    """The items of a plan and their totals; ``actor_numel``: the actor's local parameter elements
+    (P), which the correction's stored weights are counted in. ``measured``: the
+    :class:`~minippo.plan.measured.MeasuredPeak` of one recipe step, when it was run; the totals
+    and the verdict then come from it (the items stay the formula's)."""
+
     inputs: PlanInputs
     items: list[PlanItem] = field(default_factory=list)
+    actor_numel: int = 0
+    measured: Any = None
 
     def _phase_device(self, phase: str, engine: bool) -> int:
         return sum(
@@ -404,15 +333,47 @@ class MemoryPlan:
         train, score = self._phase_device("train", True), self._phase_device("score", True)
         return "train" if train >= score else "score"
 
+    def _sum(self, field_: str, prefix: str, *, without: bool = False) -> int:
+        return sum(
+            getattr(i, field_)
+            for i in self.items
+            if i.at_peak and i.name.startswith(prefix) != without
+        )
+
     @property
-    def trainer_total(self) -> int:
-        """Trainer bytes at the peak in the memory the device uses: GPU memory on CUDA runs; on
-        CPU runs RAM, where host items live too."""
+    def formula_trainer_total(self) -> int:
+        """The formula's trainer bytes at the peak in the memory the device uses: GPU memory on
+        CUDA runs; on CPU runs RAM, where host items live too."""
         return self._device(False) + (self.host_total if self.inputs.device == "cpu" else 0)
 
     @property
+    def trainer_total(self) -> int:
+        """Trainer bytes at the peak in the memory the device uses (see
+        :attr:`formula_trainer_total`); from the measured step when there is one: on CPU its
+        peak, on CUDA its peak less the trainer's host items, plus the assumed CUDA context."""
+        if self.measured is None:
+            return self.formula_trainer_total
+        if self.inputs.device == "cpu":
+            return self.measured.peak
+        host = self._sum("host", "engine", without=True)
+        return self.measured.peak - host + self._sum("device", "CUDA")
+
+    @property
+    def tensor_total(self) -> int:
+        """The formula's live tensor bytes of the trainer at the peak, device and host memory
+        together (what a tensor tracker and the measured step count): the trainer total without
+        the assumed CUDA context, plus the host items other than the engine's."""
+        host = self._sum("host", "engine", without=True)
+        return self._device(False) - self._sum("device", "CUDA") + host
+
+    @property
     def device_total(self) -> int:
-        return self._device(True)
+        """Bytes on the device at the peak, the engine's included (RAM column on CPU runs)."""
+        if self.measured is None:
+            return self._device(True)
+        host = self._sum("host", "engine", without=True)
+        engine = self._sum("device", "engine")
+        return self.measured.peak - host + self._sum("device", "CUDA") + engine
 
     @property
     def host_total(self) -> int:
@@ -463,17 +424,25 @@ class MemoryPlan:
                     f"{x.score_rows or x.micro_batch} sequences per forward)"
                 )
             elif name.startswith("correction") and item.device:
-                if x.correction == "keep_old_actor":
-                    out.append(f"{name}: correction.storage=cpu (snapshots in host memory)")
-                elif x.correction == "ewma" and x.swap_storage != "cpu":
-                    out.append(
-                        f"{name}: correction.swap_storage=cpu moves ewma's swap buffer to host "
-                        "memory (the fp32 θ̄ stays on the device)"
-                    )
+                for override, stored in x.correction.switches:
+                    dev, host = x.correction.bytes(self.actor_numel, x.master_bytes, stored)
+                    if dev < item.device:
+                        more = f", {_size(host - item.host)} more in host memory" * (
+                            host > item.host
+                        )
+                        out.append(
+                            f"{name}: {override} ({_size(item.device - dev)} less on the device{more})"
+                        )
             elif name.endswith(("gradients", "parameters")) and x.master_bytes > 2:
                 out.append(f"{name}: more ranks shard it further (now {x.world_size})")
-        if x.correction == "keep_old_actor" and x.snapshot_bytes not in (2,):
-            out.append("host: correction.storage_dtype=bf16 halves the old-actor snapshots")
+        now_dev, now_host = x.correction.bytes(self.actor_numel, x.master_bytes)
+        for override, stored in x.correction.switches:
+            dev, host = x.correction.bytes(self.actor_numel, x.master_bytes, stored)
+            if dev == now_dev and host < now_host:
+                out.append(
+                    f"host: {override} stores {_size(now_host - host)} less of the "
+                    f"{x.correction.name} correction's weights in host memory"
+                )
         if x.engine_mem_fraction and not x.engine_sleeps:
             out.append(
                 f"engine: engine.mem_fraction_static={x.engine_mem_fraction} reserves "
@@ -506,7 +475,17 @@ class MemoryPlan:
             dev = fmt(i.device) + ("" if i.at_peak and i.phase in ("all", self.peak_phase) else "*")
             lines.append(f"{i.name:<30}{dev:>10}{fmt(i.host):>10}  {i.note}")
         lines.append("-" * 60)
-        lines.append(f"{'trainer total':<30}{fmt(self.trainer_total):>10}")
+        m = self.measured
+        lines.append(
+            f"{'trainer total':<30}{fmt(self.formula_trainer_total):>10}"
+            + ("            formula" if m is not None else "")
+        )
+        if m is not None:
+            lines.append(
+                f"{'trainer total, measured':<30}{fmt(self.trainer_total):>10}            one "
+                f"recipe step on fake tensors ({m.device} kernels, {m.seconds:.0f} s); "
+                f"formula {self.tensor_total / m.peak - 1:+.1%}"
+            )
         lines.append(f"{'total':<30}{fmt(self.device_total):>10}{fmt(self.host_total):>10}")
         if any(not i.at_peak or i.phase not in ("all", self.peak_phase) for i in self.items):
             lines.append(
@@ -514,6 +493,12 @@ class MemoryPlan:
                 + ("PPO updates" if self.peak_phase == "train" else "no-grad scoring passes")
                 + ")"
             )
+        if m is not None:
+            kinds = ", ".join(
+                f"{k.lower()} {fmt(v)}" for k, v in m.by_kind.items() if v and k != "Buffer"
+            )
+            lines.append(f"at the measured peak ({unit}, device and host): {kinds}")
+            lines.append("totals and verdict from the measured step; items from the formulas")
         lines.append("")
         if self.fits is not None:
             gpu = x.gpu_mem_bytes or 0
@@ -571,7 +556,7 @@ def _model_items(
             note=_opt_note(spec[0]),
         ),
     ]
-    if W > 1:
+    if x.sharded:
         block = _numel(_block_shapes(args))
         root = _numel(shapes) - args.n_layers * block
         fsdp = (root + 2 * block) * c + root * (c + 4)
@@ -611,6 +596,7 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
     # engine items
     actor_shapes = model_param_shapes(x.actor)
     P = sum(_local(actor_shapes, W))
+    plan.actor_numel = P
     items, act = _model_items(
         "actor", x.actor, x, x.actor_optimizer, value_head=False, shapes=actor_shapes
     )
@@ -699,7 +685,7 @@ def _scoring_item(x: PlanInputs) -> PlanItem:
     model at a time over ``score_rows`` sequences per forward."""
     rows = x.score_rows or x.micro_batch
     passes = []
-    if x.correction not in ("rollout_logprobs",) or x.reference:
+    if x.correction.scoring_passes > 0 or x.reference:
         passes.append(("actor", x.actor, True))
     if x.critic is not None:
         passes.append(("critic", x.critic, False))
@@ -728,234 +714,16 @@ def _scoring_item(x: PlanInputs) -> PlanItem:
 
 
 def _correction_item(x: PlanInputs, P: int) -> PlanItem:
-    """The correction's stored weights; ``P``: the actor's local parameter elements."""
-    m = x.master_bytes
-    method = x.correction
-    if method == "ewma":
-        if x.swap_storage == "cpu":
-            note = "fp32 θ̄ shard on device, swap buffer on host"
-            return PlanItem("correction (ewma)", P * 4, P * m, note=note)
-        return PlanItem(
-            "correction (ewma)", P * 4 + P * m, note="fp32 θ̄ shard + swap buffer, on device"
-        )
-    if method == "keep_old_actor":
-        versions = x.max_staleness + 1 + (1 if x.partial_rollout else 0)
-        per = P * (x.snapshot_bytes or m)
-        total = versions * per + P * m
-        note = f"{versions} live versions x {_size(per)} + swap buffer"
-        if x.snapshot_storage == "cpu":
-            return PlanItem("correction (keep_old_actor)", 0, total, note=note + ", host")
-        return PlanItem("correction (keep_old_actor)", total, 0, note=note + ", device")
-    return PlanItem(f"correction ({method})", 0, note="no stored weights")
-
-
-# ----------------------------------------------------------------------------------------------
-# Reading a run config
-
-
-# The config keys the planner reads (the first one present wins). The recipe's config
-# (configs/*.yaml) names them; plan inputs that are not config keys (nproc_per_node, device,
-# gpu_mem_gib) come from the command line.
-CONFIG_KEYS: dict[str, list[str]] = {
-    "actor": ["model"],
-    "actor_path": ["checkpoint_path"],
-    "critic_path": ["critic.checkpoint_path"],
-    "estimator": ["advantage_estimator"],
-    "kl": ["kl.coef"],
-    "device": ["device"],
-    "world_size": ["nproc_per_node"],
-    "dtype": ["dtype"],
-    "prompt_len": ["max_prompt_len", "dataset.max_prompt_tokens"],
-    "response_len": ["rollout.max_new_tokens"],
-    "micro_batch": ["ppo.micro_batch_size"],
-    "score_rows": ["ppo.score_micro_batch_size"],
-    "groups_per_batch": ["rollout.groups_per_batch"],
-    "samples_per_prompt": ["rollout.samples_per_prompt"],
-    "optimizer": ["optimizer"],
-    "critic_optimizer": ["critic.optimizer"],
-    "correction": ["correction"],
-    "activation_checkpointing": ["activation_checkpointing"],
-    "max_staleness": ["rollout.max_staleness"],
-    "partial_rollout": ["rollout.partial_rollout"],
-    "engine": ["engine._component_"],
-    "engine_mem_fraction": ["engine.mem_fraction_static", "engine.mem_fraction"],
-    "engine_memory_mode": ["engine.memory_mode"],
-    "engine_weights_backup": ["engine.weights_cpu_backup"],
-}
-TOY_DATASETS = "minippo.data.tasks."
-
-_REQUIRED = object()
-
-
-def _get(cfg: DictConfig, name: str, default: Any = _REQUIRED, *, what: str) -> Any:
-    keys = CONFIG_KEYS[name]
-    for k in keys:
-        v = OmegaConf.select(cfg, k, default=_REQUIRED)
-        if v is not _REQUIRED and v is not None:
-            return v
-    if default is _REQUIRED:
-        raise ConfigError(
-            f"memory plan: the config has no {what} (looked for {', '.join(keys)}); add it, "
-            f"e.g. minippo plan --config ... +{keys[0]}=..."
-        )
-    return default
-
-
-def _dtype_bytes(value: Any, key: str) -> int:
-    name = str(value).removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise ConfigError(f"memory plan: {key}={value!r} is not one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[name]
-
-
-def _args_from_hf_folder(path: Any, key: str) -> Any:
-    from minippo.models import model_args_from_hf_config
-
-    cfg_file = Path(str(path)) / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(
-            f"memory plan: {key}={path!r} has no config.json (only config.json is read, no "
-            "weights); download the model there, or plan from a size builder instead: "
-            f"{key}=null 'model={{_component_: minippo.models.qwen3_4b}}'"
-        )
-    return model_args_from_hf_config(json.loads(cfg_file.read_text()))
-
-
-def _args_from_builder(node: Any, key: str) -> Any:
-    """ModelArgs from a zero-argument size builder node (``_component_: minippo.models.qwen3_4b``,
-    keyword overrides allowed)."""
-    from minippo.models import ModelArgs
-
-    if not isinstance(node, DictConfig) or "_component_" not in node:
-        raise ConfigError(
-            f"memory plan: cannot get the model shape from {key}={node!r}; give a size builder "
-            "(_component_: minippo.models.qwen3_4b) or checkpoint_path (an HF folder)"
-        )
-    target = locate(node["_component_"], f"{key}._component_")
-    kwargs = {k: v for k, v in node.items() if k != "_component_"}
-    try:
-        out = target(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"memory plan: {key}: calling {node['_component_']} failed: {e}") from e
-    if not isinstance(out, ModelArgs):
-        raise ConfigError(
-            f"memory plan: {key}._component_={node['_component_']} returned "
-            f"{type(out).__name__}, not ModelArgs; cannot get the model shape; use a size builder "
-            "such as minippo.models.qwen3_4b"
-        )
-    return out
-
-
-def _prompt_len(cfg: DictConfig) -> int:
-    """The padded prompt length: ``max_prompt_len`` / ``dataset.max_prompt_tokens``, or, for the
-    built-in toy tasks (cheap to build), the longest prompt of the dataset itself."""
-    value = _get(cfg, "prompt_len", None, what="maximum prompt length")
-    if value is not None:
-        return int(value)
-    comp = str(OmegaConf.select(cfg, "dataset._component_", default="") or "")
-    if comp.startswith(TOY_DATASETS) and "tokenizer" in cfg:
-        from minippo.config import instantiate
-
-        dataset = instantiate(cfg.dataset, tokenizer=instantiate(cfg.tokenizer))
-        return int(dataset.max_prompt_len())
-    keys = CONFIG_KEYS["prompt_len"]
-    raise ConfigError(
-        f"memory plan: the config has no maximum prompt length (looked for {', '.join(keys)}); "
-        "set dataset.max_prompt_tokens (the loader drops longer prompts) or pass +max_prompt_len=N"
-    )
-
-
-def _score_rows(cfg: DictConfig, world_size: int) -> int:
-    """Sequences per no-grad forward: ``ppo.score_micro_batch_size`` when the config has it, else
-    this rank's whole batch (groups_per_batch · samples_per_prompt / ranks), which is what the
-    recipe scores in one forward."""
-    rows = _get(cfg, "score_rows", None, what="scoring micro-batch")
-    if rows is not None:
-        return int(rows)
-    groups = int(_get(cfg, "groups_per_batch", what="prompts per step"))
-    samples = int(_get(cfg, "samples_per_prompt", 1, what="samples per prompt"))
-    return max(1, groups * samples // world_size)
-
-
-def plan_inputs_from_config(
-    cfg: DictConfig, *, gpu_mem_gib: float | None = None, world_size: int | None = None
-) -> PlanInputs:
-    """:class:`PlanInputs` of a run config (the keys in ``CONFIG_KEYS``; see docs/memory.md).
-
-    The recipe keeps fp32 master weights when it shards (FSDP2 with ``param_dtype=dtype``), and
-    casts the whole model to ``dtype`` in a single process; the plan follows it. ``device``:
-    the ``device`` key, else cuda when the engine is SGLang, else cpu.
-    """
-    path = _get(cfg, "actor_path", None, what="actor checkpoint path")
-    if path:
-        actor = _args_from_hf_folder(path, "checkpoint_path")
-    else:
-        actor = _args_from_builder(_get(cfg, "actor", what="model builder"), "model")
-    estimator = str(_get(cfg, "estimator", "gae", what="advantage estimator"))
-    critic = None
-    if estimator == "gae":
-        cpath = _get(cfg, "critic_path", None, what="critic checkpoint path")
-        critic = _args_from_hf_folder(cpath, "critic.checkpoint_path") if cpath else actor
-    engine = str(_get(cfg, "engine", "", what="engine"))
-    device = str(_get(cfg, "device", "cuda" if "sglang" in engine.lower() else "cpu", what="dev"))
-    device = "cuda" if device.startswith("cuda") else "cpu"
-    if world_size is None:
-        world_size = int(_get(cfg, "world_size", 1, what="number of ranks"))
-    compute = _dtype_bytes(_get(cfg, "dtype", "fp32", what="dtype"), "dtype")
-    master = 4 if world_size > 1 else compute
-    response = int(_get(cfg, "response_len", what="maximum response length"))
-    opt = _get(cfg, "optimizer", what="optimizer")
-    critic_opt = _get(cfg, "critic_optimizer", opt, what="critic optimizer")
-    method, storage, swap_storage, sbytes = "none", "cpu", "accelerator", None
-    corr = _get(cfg, "correction", None, what="correction")
-    if corr is not None:
-        from minippo.rl.correction import correction_class
-
-        comp = str(corr.get("_component_", ""))
-        method = correction_class(comp).method if comp else "none"
-        storage = str(corr.get("storage", "cpu"))
-        swap_storage = str(corr.get("swap_storage", "accelerator"))
-        if corr.get("storage_dtype") is not None:
-            sbytes = _dtype_bytes(corr.get("storage_dtype"), "correction.storage_dtype")
-    gpu = None
-    if device == "cuda":
-        gpu = int((gpu_mem_gib if gpu_mem_gib is not None else 80.0) * GiB)
-    fraction = _get(cfg, "engine_mem_fraction", None, what="engine memory fraction")
-    return PlanInputs(
-        actor=actor,
-        critic=critic,
-        reference=float(_get(cfg, "kl", 0.0, what="KL coefficient")) > 0,
-        world_size=world_size,
-        device=device,
-        master_bytes=master,
-        compute_bytes=compute,
-        micro_batch=int(_get(cfg, "micro_batch", what="micro-batch size")),
-        seq_len=_prompt_len(cfg) + response,
-        response_len=response,
-        activation_checkpointing=bool(
-            _get(cfg, "activation_checkpointing", False, what="activation_checkpointing")
-        ),
-        logits_chunk=DEFAULT_CHUNK_SIZE,  # the recipe scores with the default chunk
-        actor_optimizer=optimizer_spec(opt),
-        critic_optimizer=optimizer_spec(critic_opt),
-        correction=method,
-        snapshot_storage=storage,
-        swap_storage=swap_storage,
-        snapshot_bytes=sbytes,
-        max_staleness=int(_get(cfg, "max_staleness", 0, what="max_staleness")),
-        partial_rollout=bool(_get(cfg, "partial_rollout", False, what="partial_rollout")),
-        score_rows=_score_rows(cfg, world_size),
-        engine_mem_fraction=None if fraction is None else float(fraction),
-        engine_sleeps=_get(cfg, "engine_memory_mode", "overlap", what="engine mode") == "sleep",
-        engine_weights_host_copy=bool(
-            _get(cfg, "engine_weights_backup", False, what="engine weights backup")
-        ),
-        gpu_mem_bytes=gpu,
-    )
-
-
-def plan_from_config(
-    cfg: DictConfig, *, gpu_mem_gib: float | None = None, world_size: int | None = None
-) -> MemoryPlan:
-    """The memory plan of a run config (see :func:`plan_inputs_from_config`)."""
-    return plan_memory(plan_inputs_from_config(cfg, gpu_mem_gib=gpu_mem_gib, world_size=world_size))
+    """The weights the correction class declares it stores; ``P``: the actor's local parameter
+    elements."""
+    c = x.correction
+    name = f"correction ({c.name})"
+    if not c.stored:
+        return PlanItem(name, 0, note="no stored weights")
+    device, host = c.bytes(P, x.master_bytes)
+    parts = []
+    for w in c.stored:
+        dtype = "master dtype" if w.dtype is None else w.dtype
+        where = "host" if w.storage == "cpu" else "device"
+        parts.append(f"{w.what}: {w.copies} x {dtype}, {where}")
+    return PlanItem(name, device, host, note="; ".join(parts))

@@ -1,0 +1,56 @@
+"""Will a run fit? The per-rank memory plan of a run config (``minippo plan``).
+
+Two ways to the same question:
+
+- the formulas (:mod:`minippo.plan.formula`): every item (parameters, gradients, optimizer
+  states, activations, correction, no-grad passes, engine) from shapes, with the switches that
+  shrink the biggest; nothing is allocated;
+- the measured step (:mod:`minippo.plan.measured`): one recipe step of the configured models
+  under ``FakeTensorMode`` with torch's ``MemTracker``, the peak of live tensor bytes.
+
+:mod:`minippo.plan.config` reads a run config into the plan's inputs, asking the components it
+names (correction class, engine class, advantage estimator) for what the config leaves out.
+docs/memory.md compares both with measured peaks.
+"""
+
+from minippo.plan.config import (
+    correction_cost,
+    engine_options,
+    plan_from_config,
+    plan_inputs_from_config,
+)
+from minippo.plan.formula import (
+    ActivationBytes,
+    CorrectionCost,
+    GiB,
+    MemoryPlan,
+    PlanInputs,
+    PlanItem,
+    activation_bytes,
+    block_saved_bytes_per_token,
+    model_param_shapes,
+    plan_memory,
+    scoring_bytes,
+)
+from minippo.plan.measured import MeasuredPeak, measure_from_config, measure_step
+
+__all__ = [
+    "ActivationBytes",
+    "CorrectionCost",
+    "GiB",
+    "MeasuredPeak",
+    "MemoryPlan",
+    "PlanInputs",
+    "PlanItem",
+    "activation_bytes",
+    "block_saved_bytes_per_token",
+    "correction_cost",
+    "engine_options",
+    "measure_from_config",
+    "measure_step",
+    "model_param_shapes",
+    "plan_from_config",
+    "plan_inputs_from_config",
+    "plan_memory",
+    "scoring_bytes",
+]

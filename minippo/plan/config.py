@@ -1,0 +1,294 @@
+"""Plan inputs from a run config: the recipe's keys, and the defaults of the components it names.
+
+Each input is read from the one config key the recipe reads (``ppo.micro_batch_size``,
+``rollout.max_new_tokens``, ...); what a key leaves to a component is asked from the component:
+
+    critic or not          minippo.rl.advantages.needs_critic(advantage_estimator)
+    dtype bytes            minippo.config.dtype_bytes(dtype)
+    correction             the class named by correction._component_: ``stored_weights(...)``
+                           and ``scoring_passes(...)`` with the node's options (the class fills
+                           its own defaults); an absent node is NoCorrection, as in the recipe
+    engine                 options the node omits (mem_fraction_static, memory_mode,
+                           weights_cpu_backup) take the engine class's signature defaults
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from minippo.config import ConfigError, dtype_bytes, locate
+from minippo.models.logprobs import DEFAULT_CHUNK_SIZE
+from minippo.plan.formula import CorrectionCost, GiB, MemoryPlan, PlanInputs, plan_memory
+from minippo.rl.advantages import needs_critic
+from minippo.training.optimizers import optimizer_spec
+
+__all__ = [
+    "MASTER_DTYPE",
+    "NO_CORRECTION",
+    "correction_cost",
+    "engine_options",
+    "plan_from_config",
+    "plan_inputs_from_config",
+]
+
+# The recipe builds every model in fp32 and trains either unsharded in fp32 (one process) or with
+# FSDP2 mixed precision over those fp32 master weights (``dtype`` is the compute dtype).
+MASTER_DTYPE = "fp32"
+# What the recipe builds when the config has no correction node (``build_correction``).
+NO_CORRECTION = "minippo.rl.correction.NoCorrection"
+# Datasets cheap enough to build to find their longest prompt.
+TOY_DATASETS = "minippo.data.tasks."
+
+_REQUIRED = object()
+
+
+def _select(cfg: DictConfig, key: str, default: Any = _REQUIRED) -> Any:
+    value = OmegaConf.select(cfg, key, default=None)
+    if value is not None:
+        return value
+    if default is _REQUIRED:
+        raise ConfigError(
+            f"memory plan: the config has no {key}; add it (the recipe reads it), e.g. "
+            f"minippo plan --config ... +{key}=..."
+        )
+    return default
+
+
+def _args_from_hf_folder(path: Any, key: str) -> Any:
+    from minippo.models import model_args_from_hf_config
+
+    cfg_file = Path(str(path)) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(
+            f"memory plan: {key}={path!r} has no config.json (only config.json is read, no "
+            "weights); download the model there, or plan from a size builder instead: "
+            f"{key}=null 'model={{_component_: minippo.models.qwen3_4b}}'"
+        )
+    return model_args_from_hf_config(json.loads(cfg_file.read_text()))
+
+
+def _args_from_builder(node: Any, key: str) -> Any:
+    """ModelArgs from a zero-argument size builder node (``_component_: minippo.models.qwen3_4b``,
+    keyword overrides allowed)."""
+    from minippo.models import ModelArgs
+
+    if not isinstance(node, DictConfig) or "_component_" not in node:
+        raise ConfigError(
+            f"memory plan: cannot get the model shape from {key}={node!r}; give a size builder "
+            "(_component_: minippo.models.qwen3_4b) or checkpoint_path (an HF folder)"
+        )
+    target = locate(node["_component_"], f"{key}._component_")
+    kwargs = {k: v for k, v in node.items() if k != "_component_"}
+    try:
+        out = target(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"memory plan: {key}: calling {node['_component_']} failed: {e}") from e
+    if not isinstance(out, ModelArgs):
+        raise ConfigError(
+            f"memory plan: {key}._component_={node['_component_']} returned "
+            f"{type(out).__name__}, not ModelArgs; cannot get the model shape; use a size builder "
+            "such as minippo.models.qwen3_4b"
+        )
+    return out
+
+
+def _prompt_len(cfg: DictConfig) -> int:
+    """The padded prompt length: ``dataset.max_prompt_tokens``, or, for the built-in toy tasks
+    (cheap to build), the longest prompt of the dataset itself."""
+    value = _select(cfg, "dataset.max_prompt_tokens", None)
+    if value is not None:
+        return int(value)
+    comp = str(OmegaConf.select(cfg, "dataset._component_", default="") or "")
+    if comp.startswith(TOY_DATASETS) and "tokenizer" in cfg:
+        from minippo.config import instantiate
+
+        dataset = instantiate(cfg.dataset, tokenizer=instantiate(cfg.tokenizer))
+        return int(dataset.max_prompt_len())
+    raise ConfigError(
+        "memory plan: the config has no dataset.max_prompt_tokens; set it (the loader drops "
+        "longer prompts), e.g. minippo plan --config ... +dataset.max_prompt_tokens=1024"
+    )
+
+
+def _score_rows(cfg: DictConfig, world_size: int) -> int:
+    """Sequences per no-grad forward: ``ppo.score_micro_batch_size`` when the config has it, else
+    this rank's whole batch (groups_per_batch · samples_per_prompt / ranks), which is what the
+    recipe scores in one forward."""
+    rows = _select(cfg, "ppo.score_micro_batch_size", None)
+    if rows is not None:
+        return int(rows)
+    groups = int(_select(cfg, "rollout.groups_per_batch"))
+    samples = int(_select(cfg, "rollout.samples_per_prompt"))
+    return max(1, groups * samples // world_size)
+
+
+def _interface(cls: type, name: str, component: str) -> Any:
+    fn = getattr(cls, name, None)
+    if not callable(fn):
+        raise ConfigError(
+            f"memory plan: correction._component_={component} has no {name}(...) classmethod; "
+            "the plan reads what a correction stores and scores from its class (see "
+            "docs/corrections.md)"
+        )
+    return fn
+
+
+def _switch_candidates(cls: type, options: dict[str, Any]) -> dict[str, str]:
+    """Options that could store less: a storage option on "accelerator" -> "cpu", a dtype option
+    at 4 bytes (None: the fp32 master dtype) -> "bf16". Values are the node's, else the class's
+    defaults."""
+    values = {
+        n: p.default
+        for n, p in inspect.signature(cls).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    values.update(options)
+    out = {}
+    for key, value in values.items():
+        if value == "accelerator":
+            out[key] = "cpu"
+        elif key.endswith("dtype") and (
+            value is None
+            or (isinstance(value, str) and dtype_bytes(value, f"correction.{key}") > 2)
+        ):
+            out[key] = "bf16"
+    return out
+
+
+def correction_cost(node: Any, *, max_staleness: int, partial_rollout: bool) -> CorrectionCost:
+    """What the correction named by ``node`` (a ``correction`` config node; None: NoCorrection)
+    stores and scores, from its class: ``stored_weights(max_staleness=, partial_rollout=,
+    **options)`` and ``scoring_passes(max_staleness=, **options)``, ``options`` being the node's
+    keys other than ``_component_``. ``switches`` lists the other values of its storage and dtype
+    options that would store less, with what the class would store then."""
+    component = NO_CORRECTION if node is None else str(_select(node, "_component_"))
+    cls = locate(component, "correction._component_")
+    options: dict[str, Any] = {}
+    if node is not None:
+        options = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items()}
+        options.pop("_component_", None)
+    stored_weights = _interface(cls, "stored_weights", component)
+    scoring_passes = _interface(cls, "scoring_passes", component)
+
+    def stored(opts: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(
+            stored_weights(max_staleness=max_staleness, partial_rollout=partial_rollout, **opts)
+        )
+
+    now = stored(options)
+    switches = []
+    for key, value in _switch_candidates(cls, options).items():
+        try:
+            alt = stored({**options, key: value})
+        except (ValueError, TypeError):  # the class does not take this value for this option
+            continue
+        if alt != now:
+            switches.append((f"correction.{key}={value}", alt))
+    return CorrectionCost(
+        name=cls.__name__,
+        stored=now,
+        scoring_passes=int(scoring_passes(max_staleness=max_staleness, **options)),
+        switches=tuple(switches),
+    )
+
+
+def engine_options(cfg: DictConfig) -> tuple[type | None, dict[str, Any]]:
+    """The engine class named by ``engine._component_`` (None without an engine node) and the
+    values of the options the plan reads: the node's, else the class's signature defaults
+    (absent when the class does not take the option)."""
+    node = OmegaConf.select(cfg, "engine", default=None)
+    if node is None or "_component_" not in node:
+        return None, {}
+    cls = locate(str(node._component_), "engine._component_")
+    params = inspect.signature(cls).parameters
+    out = {}
+    for name in ("mem_fraction_static", "memory_mode", "weights_cpu_backup"):
+        value = node.get(name)
+        if value is None and name in params:
+            value = params[name].default
+        if value is not None and value is not inspect.Parameter.empty:
+            out[name] = value
+    return cls, out
+
+
+def plan_inputs_from_config(
+    cfg: DictConfig,
+    *,
+    gpu_mem_gib: float | None = None,
+    world_size: int = 1,
+    device: str | None = None,
+) -> PlanInputs:
+    """:class:`PlanInputs` of a run config (see the module docstring and docs/memory.md).
+
+    ``world_size``: the ranks the run is sharded over (``minippo run --nproc-per-node``);
+    ``device``: "cuda" or "cpu"; None: cuda when the engine class reserves a share of GPU memory
+    (it takes ``mem_fraction_static``), else cpu. ``gpu_mem_gib``: one GPU's memory (cuda only;
+    default 80).
+    """
+    path = _select(cfg, "checkpoint_path", None)
+    if path:
+        actor = _args_from_hf_folder(path, "checkpoint_path")
+    else:
+        actor = _args_from_builder(_select(cfg, "model"), "model")
+    critic = None
+    if needs_critic(str(_select(cfg, "advantage_estimator"))):
+        cpath = _select(cfg, "critic.checkpoint_path", None)
+        critic = _args_from_hf_folder(cpath, "critic.checkpoint_path") if cpath else actor
+    _, engine = engine_options(cfg)
+    if device is None:
+        device = "cuda" if "mem_fraction_static" in engine else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"memory plan: device={device!r} must be cuda or cpu")
+    if world_size < 1:
+        raise ConfigError(f"memory plan: nproc_per_node={world_size} must be >= 1")
+    response = int(_select(cfg, "rollout.max_new_tokens"))
+    opt = _select(cfg, "optimizer")
+    max_staleness = int(_select(cfg, "rollout.max_staleness"))
+    gpu = None
+    if device == "cuda":
+        gpu = int((gpu_mem_gib if gpu_mem_gib is not None else 80.0) * GiB)
+    fraction = engine.get("mem_fraction_static") if device == "cuda" else None
+    return PlanInputs(
+        actor=actor,
+        critic=critic,
+        reference=float(_select(cfg, "kl.coef")) > 0,
+        world_size=world_size,
+        device=device,
+        master_bytes=dtype_bytes(MASTER_DTYPE),
+        compute_bytes=dtype_bytes(_select(cfg, "dtype"), "dtype"),
+        micro_batch=int(_select(cfg, "ppo.micro_batch_size")),
+        seq_len=_prompt_len(cfg) + response,
+        response_len=response,
+        activation_checkpointing=bool(_select(cfg, "activation_checkpointing")),
+        logits_chunk=DEFAULT_CHUNK_SIZE,  # the recipe scores with the default chunk
+        actor_optimizer=optimizer_spec(opt),
+        critic_optimizer=optimizer_spec(_select(cfg, "critic.optimizer") if critic else opt),
+        correction=correction_cost(
+            OmegaConf.select(cfg, "correction", default=None),
+            max_staleness=max_staleness,
+            partial_rollout=bool(_select(cfg, "rollout.partial_rollout")),
+        ),
+        score_rows=_score_rows(cfg, world_size),
+        engine_mem_fraction=None if fraction is None else float(fraction),
+        engine_sleeps=engine.get("memory_mode") == "sleep",
+        engine_weights_host_copy=bool(engine.get("weights_cpu_backup", False)),
+        gpu_mem_bytes=gpu,
+    )
+
+
+def plan_from_config(
+    cfg: DictConfig,
+    *,
+    gpu_mem_gib: float | None = None,
+    world_size: int = 1,
+    device: str | None = None,
+) -> MemoryPlan:
+    """The memory plan of a run config (see :func:`plan_inputs_from_config`)."""
+    return plan_memory(
+        plan_inputs_from_config(cfg, gpu_mem_gib=gpu_mem_gib, world_size=world_size, device=device)
+    )

@@ -9,6 +9,7 @@ them one chunk at a time. Peak extra memory is then O(chunk_size * V) instead of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,12 +27,15 @@ class ScoreSpec:
     """Asks ``Transformer.forward(tokens, score=ScoreSpec(...))`` for the logprobs of
     ``tokens[:, start:]`` at ``temperature`` (and entropies when ``with_entropy``) instead of
     logits, the lm_head applied ``chunk_size`` tokens at a time. Going through ``forward`` keeps
-    every module hook working (FSDP2 gathers the lm_head, activation checkpointing, trackers)."""
+    every module hook working (FSDP2 gathers the lm_head, activation checkpointing, trackers).
+    ``entropy_grad``: the entropies carry a gradient (for an entropy term in a loss); without it
+    they are computed without autograd, which keeps their intermediates out of backward."""
 
     start: int = 1
     temperature: float = 1.0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     with_entropy: bool = False
+    entropy_grad: bool = False
 
 
 def _chunk_logprobs(
@@ -46,16 +50,21 @@ def _chunk_logprobs(
 
 
 def _chunk_logprobs_entropy(
-    output: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float
+    output: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [N, D], targets Long[N] -> (logprob, entropy) Float32[N] at temperature T.
 
     H = logsumexp(z) - Σ_v softmax(z)_v z_v
+
+    Without ``grad`` the entropy is computed outside autograd: otherwise a checkpointed chunk
+    would recompute its [N, V] softmax in backward and keep it until backward ends whenever the
+    caller uses the entropy for logging only (nothing ever reads it), one per chunk.
     """
     z = output(h).float() / temperature
     lse = torch.logsumexp(z, dim=-1)
     lp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
-    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
     return lp, entropy
 
 
@@ -82,16 +91,18 @@ def logprobs_from_hidden(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Logprob of ``targets Long[B, L]`` under ``lm_head(hidden [B, L, D]) / T``, ``Float32[B, L]``
-    (and the entropy ``Float32[B, L]`` when ``with_entropy``), ``chunk_size`` tokens at a time.
+    (and the entropy ``Float32[B, L]`` when ``with_entropy``; with a gradient only when
+    ``entropy_grad``), ``chunk_size`` tokens at a time.
 
     With autograd each chunk is checkpointed, so no chunk's logits are kept for backward.
     """
     B, L, D = hidden.shape
     h = hidden.reshape(B * L, D)
     t = targets.reshape(B * L)
-    fn = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
+    fn = partial(_chunk_logprobs_entropy, grad=entropy_grad) if with_entropy else _chunk_logprobs
     use_ckpt = torch.is_grad_enabled() and h.requires_grad
     outs = []
     for c in range(0, B * L, chunk_size):
@@ -131,9 +142,8 @@ def token_logprobs(
     inside its ``forward``, see :class:`ScoreSpec`). Values at padding positions are finite but
     meaningless: mask them.
     """
-    return _score(
-        model, input_ids, attention_mask, position_ids, temperature, start, chunk_size, False
-    )
+    spec = ScoreSpec(start=start, temperature=temperature, chunk_size=chunk_size)
+    return _score(model, input_ids, attention_mask, position_ids, spec)
 
 
 def response_logprobs(model: nn.Module, batch: RolloutBatch, *, temperature: float) -> torch.Tensor:
@@ -163,15 +173,17 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     start: int = 1,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`token_logprobs`, plus the entropy of each predictive distribution at
     temperature T: returns ``(logprobs, entropy)``, both ``Float32[B, S - start]``.
 
-    entropy[:, j] = H(softmax(logits[:, start - 1 + j] / T))
+    entropy[:, j] = H(softmax(logits[:, start - 1 + j] / T)); it carries a gradient only with
+    ``entropy_grad=True`` (an entropy term in a loss). The default (entropy for logging) keeps the
+    backward's memory that of the logprobs alone.
     """
-    return _score(
-        model, input_ids, attention_mask, position_ids, temperature, start, chunk_size, True
-    )
+    spec = ScoreSpec(start, temperature, chunk_size, with_entropy=True, entropy_grad=entropy_grad)
+    return _score(model, input_ids, attention_mask, position_ids, spec)
 
 
 def _score(
@@ -179,13 +191,7 @@ def _score(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
-    temperature: float,
-    start: int,
-    chunk_size: int,
-    with_entropy: bool,
+    spec: ScoreSpec,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``model.forward`` with a :class:`ScoreSpec`: the work of both public scoring functions."""
-    spec = ScoreSpec(
-        start=start, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
-    )
     return model(input_ids, attention_mask=attention_mask, position_ids=position_ids, score=spec)

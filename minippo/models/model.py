@@ -455,6 +455,7 @@ class Transformer(_Decoder):
                 temperature=score.temperature,
                 chunk_size=score.chunk_size,
                 with_entropy=score.with_entropy,
+                entropy_grad=score.entropy_grad,
             )
         return h if return_hidden else self.output(h)
 

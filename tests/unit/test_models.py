@@ -230,7 +230,13 @@ def test_chunked_logprobs_and_entropy_match_one_chunk_values_and_grads():
 
     def run(chunk_size: int):
         lp, ent = logprobs_from_hidden(
-            hidden, head, targets, temperature=T, chunk_size=chunk_size, with_entropy=True
+            hidden,
+            head,
+            targets,
+            temperature=T,
+            chunk_size=chunk_size,
+            with_entropy=True,
+            entropy_grad=True,
         )
         grads = torch.autograd.grad(lp.sum() + ent.sum(), (hidden, head.weight))
         return lp, ent, grads
@@ -311,3 +317,29 @@ def test_model_args_validation():
             intermediate_size=8,
             architecture="Gpt2",
         )
+
+
+def test_logged_entropy_adds_no_backward_memory():
+    """The training forward computes entropies for logging only; their per-chunk softmax must not
+    be recomputed and kept alive by backward (it was: one [chunk, V] float32 buffer per chunk)."""
+    from benchmarks._common import TensorMemoryTracker
+
+    torch.manual_seed(0)
+    B, L, D, V, chunk = 2, 64, 16, 4096, 32  # 4 chunks, each softmax 32 x 4096 x 4 B = 0.5 MiB
+    head = torch.nn.Linear(D, V, bias=False)
+    targets = torch.randint(0, V, (B, L))
+
+    def backward_peak(with_entropy: bool) -> int:
+        hidden = torch.randn(B, L, D, requires_grad=True)
+        tracker = TensorMemoryTracker().track(head, hidden)
+        with tracker:
+            out = logprobs_from_hidden(
+                hidden, head, targets, chunk_size=chunk, with_entropy=with_entropy
+            )
+            lp = out[0] if with_entropy else out
+            lp.sum().backward()
+        return tracker.peak["cpu"]
+
+    one_chunk_logits = chunk * V * 4
+    # the same backward, up to one chunk's logits (the entropy's own forward before backward)
+    assert backward_peak(True) <= backward_peak(False) + one_chunk_logits

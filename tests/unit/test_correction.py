@@ -677,3 +677,45 @@ def test_local_shards_share_storage():
     shards = local_shards(model)
     shards[0].zero_()
     assert next(model.parameters()).abs().sum() == 0
+
+
+def test_ewma_reset_guard_keeps_theta_bar_when_the_actor_retains_less():
+    """The reset trap: θ̄ is closer to stale data than the current actor. The seed's rule resets
+    anyway (retention falls further); reset_guard=True keeps θ̄ and counts the refusal."""
+    old = make_model()
+    # the data was sampled by the old weights (μ = log π_old); θ̄ = old weights exactly (n = 1)
+    # μ = log π_old + 1 on 4 of the 7 tokens (ρ_θ̄ = e^-1 < 1/2: masked): θ̄ retains 3/7 < 0.8
+    offset = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
+    batch = _batch_scored_by(old, [[1, 1, 1, 1], [1, 1, 1, -1]], offset=offset)
+    results = {}
+    for guard in (False, True):
+        model = make_model()
+        corr = EWMA(max_staleness=2, updates_per_step=1, reset_below=0.8, reset_guard=guard)
+        corr.on_weights_published(0, model)  # θ̄ ← the old weights
+        perturb(model, seed=7, scale=1.0)  # the actor moved far from the data
+        out = corr.prepare(batch, model, step=2)
+        results[guard] = (corr, out.metrics())
+    seed_rule, guarded = results[False], results[True]
+    assert guarded[1]["correction/ewma_retained_before_reset"] == pytest.approx(3 / 7)
+    # the actor, which the seed's rule resets θ̄ to, retains less of this batch than θ̄ did
+    assert seed_rule[1]["correction/retained_fraction"] < 3 / 7
+    assert seed_rule[1]["correction/ewma_reset_this_step"] == 1 and seed_rule[0].resets == 1
+    assert guarded[1]["correction/ewma_reset_this_step"] == 0 and guarded[0].resets == 0
+    assert guarded[1]["correction/ewma_resets_refused"] == 1
+    # the guarded run keeps θ̄ (the old weights) and its 3/7
+    assert guarded[1]["correction/retained_fraction"] == pytest.approx(3 / 7)
+    for tb, p in zip(guarded[0].theta_bar, old.parameters()):
+        assert torch.equal(tb, p.detach())
+
+
+def test_ewma_reset_guard_still_resets_when_the_actor_is_closer():
+    model = make_model()
+    corr = EWMA(max_staleness=2, updates_per_step=1, reset_below=0.8, reset_guard=True)
+    corr.on_weights_published(0, model)
+    for k in range(3):
+        perturb(model, seed=200 + k, scale=1.0)
+        corr.after_optimizer_step(model)
+    out = corr.prepare(_batch_scored_by(model, [[2, 2, 2, 2]]), model, step=2)  # μ = the actor
+    m = out.metrics()
+    assert m["correction/ewma_reset_this_step"] == 1 and m["correction/ewma_resets_refused"] == 0
+    assert m["correction/retained_fraction"] == 1.0

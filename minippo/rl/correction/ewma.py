@@ -30,6 +30,12 @@ class EWMA(Correction):
             With s = 0 (synchronous) β = 0: θ̄ is the current weights.
         cap: c of the symmetric train-inference mask [1/c, c] (> 1).
         reset_below: reset θ̄ to the current weights when the retained fraction falls below this.
+        reset_guard: reset only when the current weights retain more of this batch than θ̄ did
+            (opt-in; the seed's rule, the default, resets whenever θ̄ retains too little). When
+            batches sit at the staleness bound θ̄ is older than the actor but closer to the data,
+            and a reset then moves the reference away from the data and triggers the next reset
+            (docs/corrections.md, "The reset trap"). A reset step scores the actor anyway, so the
+            guard costs nothing more.
         swap_storage: where the buffer that saves the actor's weights while θ̄ is swapped in
             lives: "accelerator" (the parameters' device: two device-local copies per swap) or
             "cpu" (pinned when CUDA is available: saves one training-dtype copy of the local
@@ -49,19 +55,27 @@ class EWMA(Correction):
         beta: float | None = None,
         cap: float = 2.0,
         reset_below: float = 0.8,
+        reset_guard: bool = False,
         swap_storage: str = "accelerator",
         **provided: Any,
     ):
         super().__init__(
-            beta=beta, cap=cap, reset_below=reset_below, swap_storage=swap_storage, **provided
+            beta=beta,
+            cap=cap,
+            reset_below=reset_below,
+            reset_guard=reset_guard,
+            swap_storage=swap_storage,
+            **provided,
         )
         s = self.max_staleness * self.updates_per_step / 2
         self.beta = float(beta) if beta is not None else s / (1 + s)
         self.cap = float(cap)
         self.reset_below = float(reset_below)
+        self.reset_guard = bool(reset_guard)
         self.swap_storage = swap_storage
         self.n = 1.0
         self.resets = 0
+        self.resets_refused = 0  # by the reset guard
         self.theta_bar: list[torch.Tensor] | None = None
         self._swap = None  # a minippo.parallel.weight_swap.ParamSwap, made on first use
 
@@ -83,6 +97,7 @@ class EWMA(Correction):
                 f"({cls.__name__})"
             )
         one_of(cls, "swap_storage", o["swap_storage"], STORAGE_DEVICES)
+        one_of(cls, "reset_guard", o["reset_guard"], (True, False))
         return o
 
     @classmethod
@@ -157,7 +172,6 @@ class EWMA(Correction):
 
     # ---- anchors ------------------------------------------------------------------------------
     def compute(self, batch: RolloutBatch, actor: nn.Module, step: int) -> FixedAnchors:
-        from minippo.parallel.distributed import all_reduce_floats
         from minippo.parallel.weight_swap import ParamSwap, nbytes
 
         if self.theta_bar is None:
@@ -169,18 +183,19 @@ class EWMA(Correction):
             load(self.theta_bar)
             anchor = self.score(actor, batch)
         w = symmetric_mask_weights(anchor, mu, mask, cap=self.cap)
-        # the reset decision is global: every rank's θ̄ shard must stay one model
-        kept, total = all_reduce_floats(
-            [float((w.keep * mask).sum()), float(mask.sum())], "sum", anchor.device
-        )
-        retained = kept / total if total else 1.0
-        reset = retained < self.reset_below
-        if reset:
-            # θ̄ ← θ, n ← 1; the current actor now equals θ̄, so it scores the reset anchors
-            self._reset(actor)
-            self.resets += 1
-            anchor = self.score(actor, batch)
-            w = symmetric_mask_weights(anchor, mu, mask, cap=self.cap)
+        retained = self._retained(w, mask)
+        reset = False
+        if retained < self.reset_below:
+            # the candidate reference: the current weights (θ̄ after a reset, n ← 1)
+            actor_anchor = self.score(actor, batch)
+            actor_w = symmetric_mask_weights(actor_anchor, mu, mask, cap=self.cap)
+            reset = not self.reset_guard or self._retained(actor_w, mask) > retained
+            if reset:
+                self._reset(actor)
+                self.resets += 1
+                anchor, w = actor_anchor, actor_w
+            else:
+                self.resets_refused += 1
         out = FixedAnchors.from_weights(batch, anchor, w, "masked")
         out.info.update(
             {
@@ -189,12 +204,24 @@ class EWMA(Correction):
                 "correction/ewma_resets": float(self.resets),
                 "correction/ewma_reset_this_step": float(reset),
                 "correction/ewma_retained_before_reset": retained,
+                "correction/ewma_resets_refused": float(self.resets_refused),
                 "correction/ewma_distance": self.distance(actor),
                 "correction/ewma_bytes": float(nbytes(self.theta_bar)),
                 "correction/swap_buffer_bytes": float(self._swap.nbytes),
             }
         )
         return out
+
+    @staticmethod
+    def _retained(w: Any, mask: torch.Tensor) -> float:
+        """Kept fraction Σ m·k / Σ m over all ranks: the reset decision is global, because every
+        rank's θ̄ shard must stay one model (one host sync)."""
+        from minippo.parallel.distributed import all_reduce_floats
+
+        kept, total = all_reduce_floats(
+            torch.stack([(w.keep * mask).sum(), mask.sum()]).tolist(), "sum", mask.device
+        )
+        return kept / total if total else 1.0
 
     # ---- resume -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -203,6 +230,7 @@ class EWMA(Correction):
             "beta": self.beta,
             "n": self.n,
             "resets": self.resets,
+            "resets_refused": self.resets_refused,
             "theta_bar": None if self.theta_bar is None else list(self.theta_bar),
         }
 
@@ -216,5 +244,6 @@ class EWMA(Correction):
             )
         self.n = float(state["n"])
         self.resets = int(state["resets"])
+        self.resets_refused = int(state.get("resets_refused", 0))
         tb = state["theta_bar"]
         self.theta_bar = None if tb is None else [t.detach().to(torch.float32).clone() for t in tb]

@@ -719,3 +719,49 @@ def test_ewma_reset_guard_still_resets_when_the_actor_is_closer():
     m = out.metrics()
     assert m["correction/ewma_reset_this_step"] == 1 and m["correction/ewma_resets_refused"] == 0
     assert m["correction/retained_fraction"] == 1.0
+
+
+def test_bf16_theta_bar_tracks_the_fp32_average_over_1000_updates():
+    """θ̄ in bf16 (stochastic rounding of fp32 lerps) against θ̄ in fp32, same actor trajectory.
+
+    Bound from the arithmetic: each update adds a zero-mean rounding error r with |r| < 1 ulp and
+    Var r ≤ ulp²/4 and shrinks the old error by (1 − 1/n) → β, so the error is stationary with
+    Var ≤ ulp²/(4(1 − β²)). With β = 2/3 (max_staleness 1, 4 updates a step) the std is ≤ 0.68 ulp:
+    we allow 6 std per element (≈ 4.1 ulp; a false alarm below 1e-8 per element) and, for the
+    mean over the N elements (which would show a bias, e.g. a stall), 6 std / √N. The ulp is that
+    of max(|θ̄|, 2^-7): the errors still alive (weight β^k > 1e-7: the last 40 updates) were made
+    at values within a 40-step random walk of 1e-3 steps (≈ 6e-3 < 2^-7) of today's, so near 0
+    they were made at that spacing, not at the tiny spacing of a value that just crossed 0.
+    """
+    model = make_model()
+    ref = EWMA(max_staleness=1, updates_per_step=4)
+    low = EWMA(max_staleness=1, updates_per_step=4, theta_dtype="bf16")
+    assert low.beta == pytest.approx(2 / 3)
+    ref.on_weights_published(0, model)
+    low.on_weights_published(0, model)
+    for k in range(1000):
+        perturb(model, seed=k, scale=1e-3)  # small steps: most updates are below bf16's ulp
+        ref.after_optimizer_step(model)
+        low.after_optimizer_step(model)
+    assert all(t.dtype == torch.bfloat16 for t in low.theta_bar)
+    errs, ulps = [], []
+    for a, b in zip(low.theta_bar, ref.theta_bar):
+        ulp = torch.exp2(torch.floor(torch.log2(b.abs().clamp(min=2**-7))) - 7)  # bf16 spacing
+        errs.append(((a.float() - b) / ulp).flatten())
+    e = torch.cat(errs)
+    std = (1 / (4 * (1 - (2 / 3) ** 2))) ** 0.5
+    assert e.abs().max() <= 6 * std, float(e.abs().max())
+    assert e.mean().abs() <= 6 * std / e.numel() ** 0.5, float(e.mean())
+
+
+def test_bf16_rounding_to_nearest_would_stall_stochastic_rounding_does_not():
+    from minippo.rl.correction.ewma import lerp_stochastic_bf16_
+
+    dst = torch.ones(100_000, dtype=torch.bfloat16)
+    target = torch.full((100_000,), 1.0 + 2**-7 / 4)  # a quarter of bf16's ulp at 1.0 above it
+    nearest = dst.float().lerp(target, 0.5).to(torch.bfloat16)
+    assert torch.equal(nearest, dst)  # round-to-nearest never moves
+    lerp_stochastic_bf16_(dst, target, 0.5, seed=0)
+    # the expected value is 1 + ulp/8: an ulp with probability 1/8 (binomial, 6 std bound)
+    frac = float((dst > 1).float().mean())
+    assert abs(frac - 1 / 8) <= 6 * (1 / 8 * 7 / 8 / 100_000) ** 0.5

@@ -14,10 +14,42 @@ from typing import Any
 import torch
 from torch import nn
 
+from minippo.config import canonical_dtype, torch_dtype
 from minippo.rl.correction.base import STORAGE_DEVICES, Correction, WeightCopies, number, one_of
 from minippo.rl.correction.outputs import FixedAnchors
 from minippo.rl.correction.weights import symmetric_mask_weights
 from minippo.rl.types import RolloutBatch
+
+THETA_DTYPES = ("float32", "fp32", "bfloat16", "bf16")
+UPDATE_CHUNK = 1 << 22  # elements per fp32 chunk of a bf16 θ̄ update (16 MiB of fp32)
+
+
+def lerp_stochastic_bf16_(dst: torch.Tensor, src: torch.Tensor, weight: float, seed: int) -> None:
+    """dst ← SR_bf16(dst + weight·(src − dst)), in place, for a bf16 ``dst``.
+
+    The lerp is computed in fp32, ``UPDATE_CHUNK`` elements at a time; SR rounds each fp32 value x
+    to one of its two bf16 neighbours with probabilities proportional to closeness (add uniform
+    random bits below bf16's 16 dropped mantissa bits, then truncate), so E[SR(x)] = x: the average
+    drifts toward θ at the right rate however small weight·(src − dst) is. Deterministic given
+    ``seed`` (a generator on dst's device per call).
+    """
+    gen = torch.Generator(device=dst.device).manual_seed(seed % (1 << 62))
+    flat_dst, flat_src = dst.view(-1), src.reshape(-1)
+    for i in range(0, flat_dst.numel(), UPDATE_CHUNK):
+        d, t = flat_dst[i : i + UPDATE_CHUNK], flat_src[i : i + UPDATE_CHUNK]
+        x = d.float().lerp_(t.float(), weight)
+        noise = torch.randint(
+            0, 1 << 16, x.shape, generator=gen, device=x.device, dtype=torch.int32
+        )
+        bits = (x.view(torch.int32) + noise) & ~0xFFFF  # truncation after the noise: SR
+        rounded = torch.where(torch.isfinite(x), bits.view(torch.float32), x)
+        d.copy_(rounded)  # exact: the low 16 bits are zero
+
+
+def _rank() -> int:
+    import torch.distributed as dist  # the rank seeds this rank's rounding noise
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class EWMA(Correction):
@@ -36,6 +68,11 @@ class EWMA(Correction):
             and a reset then moves the reference away from the data and triggers the next reset
             (docs/corrections.md, "The reset trap"). A reset step scores the actor anyway, so the
             guard costs nothing more.
+        theta_dtype: "float32" (default) or "bfloat16" (or "fp32" / "bf16"): the dtype θ̄ is kept
+            in. bf16 halves θ̄'s memory; each update is then computed in fp32, one chunk of
+            ``UPDATE_CHUNK`` elements at a time, and rounded stochastically to bf16 (unbiased), so
+            the average keeps moving when an update is smaller than bf16's resolution, where
+            round-to-nearest would leave it unchanged forever.
         swap_storage: where the buffer that saves the actor's weights while θ̄ is swapped in
             lives: "accelerator" (the parameters' device: two device-local copies per swap) or
             "cpu" (pinned when CUDA is available: saves one training-dtype copy of the local
@@ -56,6 +93,7 @@ class EWMA(Correction):
         cap: float = 2.0,
         reset_below: float = 0.8,
         reset_guard: bool = False,
+        theta_dtype: str = "float32",
         swap_storage: str = "accelerator",
         **provided: Any,
     ):
@@ -64,6 +102,7 @@ class EWMA(Correction):
             cap=cap,
             reset_below=reset_below,
             reset_guard=reset_guard,
+            theta_dtype=theta_dtype,
             swap_storage=swap_storage,
             **provided,
         )
@@ -72,6 +111,8 @@ class EWMA(Correction):
         self.cap = float(cap)
         self.reset_below = float(reset_below)
         self.reset_guard = bool(reset_guard)
+        self.theta_dtype = torch_dtype(theta_dtype, "correction.theta_dtype")
+        self.updates = 0  # θ̄ updates so far: seeds each stochastic rounding
         self.swap_storage = swap_storage
         self.n = 1.0
         self.resets = 0
@@ -98,6 +139,7 @@ class EWMA(Correction):
             )
         one_of(cls, "swap_storage", o["swap_storage"], STORAGE_DEVICES)
         one_of(cls, "reset_guard", o["reset_guard"], (True, False))
+        one_of(cls, "theta_dtype", o["theta_dtype"], THETA_DTYPES)
         return o
 
     @classmethod
@@ -107,7 +149,7 @@ class EWMA(Correction):
         """fp32 θ̄ on the accelerator and the swap buffer on ``swap_storage``."""
         o = cls.check(**options)
         return [
-            WeightCopies("θ̄", 1, "float32", "accelerator"),
+            WeightCopies("θ̄", 1, canonical_dtype(o["theta_dtype"]), "accelerator"),
             WeightCopies("swap buffer", 1, None, o["swap_storage"]),
         ]
 
@@ -118,12 +160,12 @@ class EWMA(Correction):
 
     # ---- θ̄ ------------------------------------------------------------------------------------
     def _reset(self, actor: nn.Module) -> None:
-        """θ̄ ← θ (fp32), n ← 1."""
+        """θ̄ ← θ (in ``theta_dtype``), n ← 1."""
         from minippo.parallel.weight_swap import alloc_like, check_like, local_shards
 
         shards = local_shards(actor)
         if self.theta_bar is None:
-            self.theta_bar = alloc_like(shards, dtype=torch.float32, device=None)
+            self.theta_bar = alloc_like(shards, dtype=self.theta_dtype, device=None)
         check_like("EWMA θ̄", self.theta_bar, shards)
         with torch.no_grad():
             torch._foreach_copy_(self.theta_bar, shards)
@@ -144,9 +186,14 @@ class EWMA(Correction):
         shards = local_shards(actor)
         n_prev = self.n
         self.n = self.beta * n_prev + 1.0  # n ← β·n + 1
+        self.updates += 1
         with torch.no_grad():
             # θ̄ ← θ̄·(β·n_prev/n) + θ/n  ≡  θ̄ + (θ − θ̄)/n
-            if all(s.dtype == torch.float32 for s in shards):
+            if self.theta_dtype == torch.bfloat16:
+                seed = self.updates * 1_000_003 + _rank()
+                for tb, t in zip(self.theta_bar, shards):
+                    lerp_stochastic_bf16_(tb, t, 1.0 / self.n, seed)
+            elif all(s.dtype == torch.float32 for s in shards):
                 torch._foreach_lerp_(self.theta_bar, shards, 1.0 / self.n)
             else:
                 torch._foreach_mul_(self.theta_bar, self.beta * n_prev / self.n)
@@ -231,6 +278,7 @@ class EWMA(Correction):
             "n": self.n,
             "resets": self.resets,
             "resets_refused": self.resets_refused,
+            "updates": self.updates,
             "theta_bar": None if self.theta_bar is None else list(self.theta_bar),
         }
 
@@ -245,5 +293,8 @@ class EWMA(Correction):
         self.n = float(state["n"])
         self.resets = int(state["resets"])
         self.resets_refused = int(state.get("resets_refused", 0))
+        self.updates = int(state.get("updates", 0))
         tb = state["theta_bar"]
-        self.theta_bar = None if tb is None else [t.detach().to(torch.float32).clone() for t in tb]
+        self.theta_bar = (
+            None if tb is None else [t.detach().to(self.theta_dtype).clone() for t in tb]
+        )

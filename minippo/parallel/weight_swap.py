@@ -91,12 +91,21 @@ class ParamSwap:
         return 0 if self._saved is None else nbytes(self._saved)
 
     @contextmanager
-    def borrow(self, model: nn.Module) -> Iterator[Callable[[list[torch.Tensor]], None]]:
+    def borrow(
+        self, model: nn.Module, restore_from: list[torch.Tensor] | None = None
+    ) -> Iterator[Callable[[list[torch.Tensor]], None]]:
         """Yield ``load(weights)``, which copies weights into the model's local shards in place;
-        the original weights are back on exit (also on error)."""
+        the original weights are back on exit (also on error).
+
+        ``restore_from``: a bit-exact copy of the model's current local shards that is kept
+        anyway (e.g. the snapshot of the version the model holds): the originals are restored
+        from it, so no buffer is allocated or written.
+        """
         shards = local_shards(model)
         layout = [(s.shape, s.dtype) for s in shards]
-        if self._saved is None or [(s.shape, s.dtype) for s in self._saved] != layout:
+        if restore_from is None and (
+            self._saved is None or [(s.shape, s.dtype) for s in self._saved] != layout
+        ):
             self._saved = alloc_like(shards, dtype=None, device=self.device)
 
         def load(weights: list[torch.Tensor]) -> None:
@@ -106,8 +115,9 @@ class ParamSwap:
             torch._foreach_copy_(shards, weights)
 
         with torch.no_grad():
-            torch._foreach_copy_(self._saved, shards)
+            if restore_from is None:
+                torch._foreach_copy_(self._saved, shards)
             try:
                 yield load
             finally:
-                load(self._saved)
+                load(self._saved if restore_from is None else restore_from)

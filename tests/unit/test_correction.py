@@ -19,6 +19,7 @@ from minippo.rl.correction import (
     NoCorrection,
     ProximalAnchors,
     RolloutLogprobs,
+    WeightCopies,
     discrepancy_weights,
     loglinear_alpha,
     loglinear_prox_weights,
@@ -744,7 +745,7 @@ def test_bf16_theta_bar_tracks_the_fp32_average_over_1000_updates():
         ref.after_optimizer_step(model)
         low.after_optimizer_step(model)
     assert all(t.dtype == torch.bfloat16 for t in low.theta_bar)
-    errs, ulps = [], []
+    errs = []
     for a, b in zip(low.theta_bar, ref.theta_bar):
         ulp = torch.exp2(torch.floor(torch.log2(b.abs().clamp(min=2**-7))) - 7)  # bf16 spacing
         errs.append(((a.float() - b) / ulp).flatten())
@@ -765,3 +766,30 @@ def test_bf16_rounding_to_nearest_would_stall_stochastic_rounding_does_not():
     # the expected value is 1 + ulp/8: an ulp with probability 1/8 (binomial, 6 std bound)
     frac = float((dst > 1).float().mean())
     assert abs(frac - 1 / 8) <= 6 * (1 / 8 * 7 / 8 / 100_000) ** 0.5
+
+
+def test_keep_old_actor_needs_no_swap_buffer_when_the_actor_holds_the_latest_version():
+    """The recipe's order: publish v, prepare (before any update). The latest version is scored in
+    place and the actor is restored from its snapshot: no swap buffer, anchors still exact."""
+    model = make_model()
+    corr = KeepOldActor(max_staleness=1)
+    corr.on_weights_published(0, model)
+    w0 = weights_of(model)
+    perturb(model, seed=3)  # the updates of step 0
+    corr.on_weights_published(1, model)  # version 1: the actor holds it at the start of step 1
+    w1 = weights_of(model)
+    batch = make_batch([[0, 0, 1, 1], [1, 1, 1, -1]])
+    counter = ForwardCounter(model)
+    out = corr.prepare(batch, model, step=1)
+    m = out.metrics()
+    assert m["correction/swap_buffer_bytes"] == 0 and counter.n == 2
+    expected = torch.where(
+        batch.versions == 0, score(model_with(w0), batch), score(model_with(w1), batch)
+    )
+    expected = torch.where(batch.response_mask > 0, expected, 0.0)
+    assert torch.equal(out.anchor_logprobs, expected)
+    for p, w in zip(model.parameters(), w1):  # restored from the snapshot of version 1
+        assert torch.equal(p, w)
+    assert KeepOldActor.stored_weights(max_staleness=1, partial_rollout=False) == [
+        WeightCopies("snapshots", 2, None, "cpu")
+    ]

@@ -40,6 +40,12 @@ class KeepOldActor(Correction):
     older than step − max_staleness). ``prepare`` scores the whole batch once per distinct version
     present (on any rank) and takes each token's anchor from the forward of its own version; a
     token without a snapshot of its version is an error.
+
+    Memory: when the actor still holds exactly the latest published weights (the recipe's
+    order: prepare before the updates; checked by comparing it with the latest snapshot) and the
+    snapshots are in the training dtype, the latest version is scored in place and the actor is
+    restored from its snapshot after the older versions are scored: no swap buffer (one full
+    weight copy less).
     """
 
     method = "keep_old_actor"
@@ -85,18 +91,19 @@ class KeepOldActor(Correction):
     def stored_weights(
         cls, *, max_staleness: int, partial_rollout: bool, **options: Any
     ) -> list[WeightCopies]:
-        """max_staleness + 1 live snapshots (+ 1 with partial rollouts) and the swap buffer, all
-        on ``storage``."""
+        """max_staleness + 1 live snapshots (+ 1 with partial rollouts) on ``storage``, and a swap
+        buffer only when the snapshots are in another dtype than the training one (otherwise the
+        actor is restored from the latest snapshot, an exact copy, after scoring older ones)."""
         o = cls.check(**options)
         sd = o["storage_dtype"]
         if isinstance(sd, torch.dtype):
             sd = str(sd).removeprefix("torch.")
         dtype = None if sd is None else canonical_dtype(sd, "correction.storage_dtype")
         versions = max_staleness + 1 + (1 if partial_rollout else 0)
-        return [
-            WeightCopies("snapshots", versions, dtype, o["storage"]),
-            WeightCopies("swap buffer", 1, None, o["storage"]),
-        ]
+        copies = [WeightCopies("snapshots", versions, dtype, o["storage"])]
+        if dtype is not None:
+            copies.append(WeightCopies("swap buffer", 1, None, o["storage"]))
+        return copies
 
     @classmethod
     def scoring_passes(cls, *, max_staleness: int, **options: Any) -> int:
@@ -160,6 +167,25 @@ class KeepOldActor(Correction):
         """Evict every snapshot older than ``version`` (the latest published one is kept)."""
         self.retain(v for v in self._snapshots if v >= version)
 
+    def _actor_holds_latest(self, actor: nn.Module) -> bool:
+        """True when the latest snapshot is a bit-exact copy of the actor's local shards (same
+        dtype, same values; compared one tensor at a time, one host sync), so that the actor can
+        be restored from it instead of from a swap buffer."""
+        from minippo.parallel.distributed import all_reduce_floats
+        from minippo.parallel.weight_swap import local_shards
+
+        if self._latest is None:
+            return False
+        shards, snap = local_shards(actor), self._snapshots[self._latest]
+        if any(a.dtype != b.dtype for a, b in zip(shards, snap)):
+            return False
+        with torch.no_grad():
+            differ = [(a != b.to(a.device, non_blocking=True)).any() for a, b in zip(shards, snap)]
+        device = shards[0].device if shards else torch.device("cpu")
+        local = float(torch.stack(differ).any()) if differ else 0.0
+        (ranks_differing,) = all_reduce_floats([local], "max", device)  # one decision for all
+        return ranks_differing == 0.0
+
     # ---- anchors ------------------------------------------------------------------------------
     def compute(self, batch: RolloutBatch, actor: nn.Module, step: int) -> FixedAnchors:
         from minippo.parallel.distributed import all_reduce_floats, union_over_ranks
@@ -171,20 +197,31 @@ class KeepOldActor(Correction):
         device = mask.device  # the batch lives on the actor's device (it is scored there)
         # under FSDP every rank must run the same forwards: score the versions of all ranks
         to_score = union_over_ranks(present, device)
-        if self._swap is None:
-            self._swap = ParamSwap(self._storage_device())
         anchor = torch.zeros_like(batch.rollout_logprobs, dtype=torch.float32)
         source = torch.full_like(versions, -1)  # the snapshot version each anchor came from
-        with self._swap.borrow(actor) as load:
-            for v in to_score:
-                snap = self._snapshots.get(v)
-                if snap is None:
-                    continue
-                load(snap)
-                lp = self.score(actor, batch)
-                sel = valid & (versions == v)
-                anchor = torch.where(sel, lp, anchor)
-                source = torch.where(sel, torch.full_like(source, v), source)
+
+        def take(v: int) -> None:
+            nonlocal anchor, source
+            lp = self.score(actor, batch)
+            sel = valid & (versions == v)
+            anchor = torch.where(sel, lp, anchor)
+            source = torch.where(sel, torch.full_like(source, v), source)
+
+        # When the actor still holds the latest version and its snapshot is an exact copy (the
+        # training dtype), that version is scored in place and the actor is restored from its
+        # snapshot afterwards: no swap buffer (one full copy of the weights) is needed.
+        exact = self._actor_holds_latest(actor)
+        restore = self._snapshots[self._latest] if exact else None
+        if exact and self._latest in to_score:
+            take(self._latest)
+        older = [v for v in to_score if v in self._snapshots and not (exact and v == self._latest)]
+        if older:
+            if self._swap is None:
+                self._swap = ParamSwap(self._storage_device())
+            with self._swap.borrow(actor, restore_from=restore) as load:
+                for v in older:
+                    load(self._snapshots[v])
+                    take(v)
         local_mismatch = int((valid & (source != versions)).sum())
         (mismatches,) = all_reduce_floats([float(local_mismatch)], "sum", device)
         if mismatches:
@@ -207,7 +244,7 @@ class KeepOldActor(Correction):
                 "correction/snapshot_oldest_version": float(min(self._snapshots, default=-1)),
                 "correction/snapshot_bytes": float(self.snapshot_bytes),
                 "correction/snapshot_spare_bytes": float(nbytes(self._spare or [])),
-                "correction/swap_buffer_bytes": float(self._swap.nbytes),
+                "correction/swap_buffer_bytes": float(self._swap.nbytes if self._swap else 0),
             }
         )
         return out

@@ -170,7 +170,9 @@ def test_resave_same_step_and_keep_last(tmp_path):
     for step in (1, 2, 3):
         ckpt.save(step, models={"actor": (model, optim)}, states={"s": _Box(step)})
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000002", "step_000003"]
-    ckpt.save(3, models={"actor": (model, optim)}, states={"s": _Box(33)})  # a re-run over old output
+    ckpt.save(
+        3, models={"actor": (model, optim)}, states={"s": _Box(33)}
+    )  # a re-run over old output
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_000002", "step_000003"]
     box = _Box()
     ckpt.load(
@@ -210,7 +212,9 @@ def test_checkpoint_of_another_format_or_without_a_state_is_refused(tmp_path):
     meta = json.loads((path / "meta.json").read_text())
     del meta["format"]  # as written before Stateful checkpoints
     (path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="has checkpoint format 1, but this minippo reads format 2"):
+    with pytest.raises(
+        ValueError, match="has checkpoint format 1, but this minippo reads format 2"
+    ):
         ckpt.load(path, models={"actor": (model, optim)}, states={"n": _Box()})
 
 

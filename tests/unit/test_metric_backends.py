@@ -6,6 +6,7 @@ close flushes the backend."""
 import json
 import sys
 import types
+from typing import ClassVar
 
 import torch
 from omegaconf import OmegaConf
@@ -14,7 +15,7 @@ from minippo.config import instantiate
 
 
 class FakeSummaryWriter:
-    instances: list["FakeSummaryWriter"] = []
+    instances: ClassVar[list["FakeSummaryWriter"]] = []
 
     def __init__(self, log_dir=None):
         self.log_dir = log_dir

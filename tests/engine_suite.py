@@ -13,14 +13,17 @@ start with ``Test``) and give it a ``harness`` fixture returning an :class:`Engi
 Every test method of the suite then runs against that backend (a fresh engine per test, shut down
 afterwards). Checks that need real numerics (logprobs against a reference forward) run only when
 the harness provides ``reference_logprobs``; the batch-invariance check only when
-``batch_invariant`` is True. A stand-in engine (e.g. a recording fake of SGLang) passes the suite
+``batch_invariant`` is True; the sampling-distribution check (μ is what the engine samples from)
+only when ``mu_draws`` > 0. A stand-in engine (e.g. a recording fake of SGLang) passes the suite
 if it follows the protocol: structure, lengths, stops, versions, pause/resume, abort, errors.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +59,10 @@ class EngineHarness:
         long_tokens:        max_new_tokens of a request that is still running ~50 ms after it
                             was submitted (for the pause and abort tests); must fit max_seq_len.
         prompt:             a valid prompt.
+        mu_draws:           draws per sampling setting of the sampling-distribution check
+                            (``test_sampled_frequencies_match_reported_logprobs``): that many
+                            seeded one-token requests, all in one ``generate`` call; 0 skips the
+                            check. 4000 gives the bound in :func:`chi_square_p_value`'s caller.
     """
 
     make_engine: Callable[[], RolloutEngine]
@@ -67,6 +74,7 @@ class EngineHarness:
     batch_invariant: bool = True
     long_tokens: int = 400
     prompt: tuple[int, ...] = (1, 2, 3)
+    mu_draws: int = 0
 
 
 def publish_model(engine: RolloutEngine, model: torch.nn.Module, version: int = 0):
@@ -158,6 +166,64 @@ def join(t, box, timeout=120):
     return box["result"]
 
 
+def kept_tokens(logprobs: torch.Tensor, top_k: int, top_p: float) -> list[int]:
+    """The tokens that top-k / top-p keep, given the full-vocabulary ``log_softmax(z / T)``
+    ``[V]``: rank < k (k = 0: all), and the mass of the tokens ranked before < p (the most likely
+    token is always kept); the protocol's definition (docs/engine.md, SamplingParams)."""
+    probs = logprobs.double().exp()
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+    keep = (before < top_p) if top_p < 1 else torch.ones_like(before, dtype=torch.bool)
+    if top_k > 0:
+        keep &= torch.arange(len(order)) < top_k
+    return sorted(order[keep].tolist())
+
+
+def chi_square_p_value(counts: list[int], probs: list[float], pool_below: float = 5.0) -> float:
+    """Pearson's goodness-of-fit test of ``counts`` (one per bin) against bin probabilities
+    ``probs`` (summing to 1): the probability that a multinomial sample of the same size gives a
+    statistic X² = Σ (o − e)² / e at least as large. Bins whose expected count e is below
+    ``pool_below`` are pooled (ascending by e, until each pool reaches it), the usual condition
+    for the χ² approximation; the p-value is the χ² survival function Q(df/2, X²/2) with
+    df = bins − 1."""
+    n = sum(counts)
+    bins = sorted(zip((n * p for p in probs), counts))
+    pooled: list[list[float]] = []
+    acc = [0.0, 0.0]
+    for e, o in bins:
+        acc = [acc[0] + e, acc[1] + o]
+        if acc[0] >= pool_below:
+            pooled.append(acc)
+            acc = [0.0, 0.0]
+    if acc[0] > 0 or acc[1] > 0:  # the remainder joins the last pool
+        if pooled:
+            pooled[-1] = [pooled[-1][0] + acc[0], pooled[-1][1] + acc[1]]
+        else:
+            pooled.append(acc)
+    stat = sum((o - e) ** 2 / e for e, o in pooled if e > 0)
+    if any(e <= 0 and o > 0 for e, o in pooled):
+        return 0.0  # a draw where the expected mass is zero
+    df = len(pooled) - 1
+    if df < 1:
+        return 1.0
+    q = torch.special.gammaincc(
+        torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+    )
+    return float(q)
+
+
+# Sampling settings of the μ check: temperatures below, at and above 1, then top-k and top-p
+MU_CASES = [
+    dict(temperature=0.5),
+    dict(temperature=1.0),
+    dict(temperature=1.7),
+    dict(temperature=1.0, top_k=5),
+    dict(temperature=1.7, top_p=0.5),
+    dict(temperature=0.5, top_k=8, top_p=0.9),
+]
+MU_FALSE_ALARM = 1e-6  # the χ² test's significance level
+
+
 class EngineProtocolSuite:
     """Protocol checks; subclass with a ``harness`` fixture (see the module docstring)."""
 
@@ -221,6 +287,9 @@ class EngineProtocolSuite:
         [
             (dict(prompt=()), "empty prompt"),
             (dict(temperature=-0.5), "temperature"),
+            (dict(temperature=math.nan), "temperature must be a finite number"),
+            (dict(temperature=math.inf), "temperature must be a finite number"),
+            (dict(stop_token_ids=(2, -1)), "stop_token_ids must be >= 0"),
             (dict(top_p=0.0), "top_p"),
             (dict(top_p=1.5), "top_p"),
             (dict(top_k=-1), "top_k"),
@@ -330,3 +399,99 @@ class EngineProtocolSuite:
         engine.publish_weights(harness.weights(1), version=1)  # what a backend may need after wake
         (c,) = engine.generate([req(harness.prompt, "a", max_new_tokens=3, seed=0)])
         assert c.versions == [1, 1, 1]
+
+    def test_duplicate_request_ids_are_refused(self, engine, harness):
+        reqs = [req(harness.prompt, rid, max_new_tokens=2, seed=0) for rid in ("a", "b", "a")]
+        with pytest.raises(ValueError, match="request id 'a' appears twice"):
+            engine.generate(reqs)
+        (c,) = engine.generate(reqs[:1])  # the engine is still usable
+        check_completion(c, reqs[0], harness.vocab_size)
+
+    def test_publish_without_pause_mid_generation_stamps_exact_versions(self, engine, harness):
+        """A publish while a request runs, without pause: the new weights take effect at the
+        backend's point (TorchEngine between two decode steps, SGLang after the running
+        requests); the versions never go back, and each token's logprob is the teacher-forced
+        one under the weights of the version it carries."""
+        r = req(harness.prompt, "long", max_new_tokens=harness.long_tokens, seed=5)
+        t, box = run_in_thread(lambda: engine.generate([r]))
+        time.sleep(0.05)
+        engine.publish_weights(harness.weights(1), version=1)
+        (c,) = join(t, box)
+        check_completion(c, r, harness.vocab_size)
+        assert set(c.versions) <= {0, 1} and c.versions[0] == 0
+        assert engine.version == 1
+        (after,) = engine.generate([req(harness.prompt, "after", max_new_tokens=3, seed=1)])
+        assert after.versions == [1, 1, 1]
+        if harness.reference_logprobs is not None:
+            refs = {
+                v: harness.reference_logprobs(v, r.prompt_ids, c.token_ids, 1.0) for v in (0, 1)
+            }
+            worst = max(
+                abs(lp - refs[v][i]) for i, (lp, v) in enumerate(zip(c.logprobs, c.versions))
+            )
+            assert worst <= harness.logprob_tol, worst
+
+    @pytest.mark.parametrize(
+        "params", MU_CASES, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items())
+    )
+    def test_sampled_frequencies_match_reported_logprobs(self, engine, harness, params):
+        """μ, the logprob the engine reports, is the distribution it samples from.
+
+        ``mu_draws`` seeded one-token requests from one prompt. Each distinct token must report one
+        logprob (the same distribution every time); the observed frequencies must fit
+        exp(reported logprob) renormalised over the tokens top-k / top-p keep (Pearson's χ² at a
+        false-alarm rate of 1e-6: the seeds are fixed, so a correct engine fails with probability
+        1e-6 over the choice of seeds, and a sampler at another temperature than the one its
+        logprobs report fails by far: at 4000 draws X² is in the thousands). With a reference
+        model, each reported logprob also equals the teacher-forced log_softmax(z / T) and every
+        drawn token lies in the kept set computed from the reference; without one, the kept set is
+        the tokens drawn (top-k bounds their number) and, unfiltered, the undrawn tokens form one
+        bin with the remaining mass 1 − Σ exp(reported)."""
+        n = harness.mu_draws
+        if n <= 0:
+            pytest.skip("the harness sets mu_draws (draws per sampling setting) to run this check")
+        top_k, top_p = params.get("top_k", 0), params.get("top_p", 1.0)
+        T = params["temperature"]
+        reqs = [
+            req(harness.prompt, f"d{i}", max_new_tokens=1, seed=10_000 + i, **params)
+            for i in range(n)
+        ]
+        outs = engine.generate(reqs)
+        counts = Counter(c.token_ids[0] for c in outs)
+        reported: dict[int, list[float]] = {}
+        for c in outs:
+            reported.setdefault(c.token_ids[0], []).append(c.logprobs[0])
+        spread = max(max(v) - min(v) for v in reported.values())
+        assert spread <= harness.logprob_tol, f"one token reports several logprobs ({spread})"
+        lp = {tok: v[0] for tok, v in reported.items()}
+        rest = 0.0  # probability of the bin of tokens never drawn
+        if harness.reference_logprobs is not None:
+            ref = torch.tensor(
+                [
+                    harness.reference_logprobs(0, list(harness.prompt), [v], T)[0]
+                    for v in range(harness.vocab_size)
+                ],
+                dtype=torch.float64,
+            )
+            worst = max(abs(lp[tok] - float(ref[tok])) for tok in lp)
+            assert worst <= harness.logprob_tol, (
+                f"reported ≠ teacher-forced log_softmax(z/T): {worst}"
+            )
+            kept = kept_tokens(ref, top_k, top_p)
+            outside = sorted(set(lp) - set(kept))
+            assert not outside, f"drew tokens {outside} that top_k={top_k}, top_p={top_p} remove"
+            logq = {v: lp.get(v, float(ref[v])) for v in kept}
+        else:
+            if top_k:
+                assert len(lp) <= top_k, f"{len(lp)} distinct tokens with top_k={top_k}"
+            logq = dict(lp)
+            if not (top_k or top_p < 1):
+                rest = 1.0 - sum(math.exp(x) for x in lp.values())
+                assert rest >= -harness.logprob_tol * len(lp), f"reported mass {1 - rest} > 1"
+                rest = max(rest, 0.0)
+        mass = sum(math.exp(x) for x in logq.values())
+        tokens = sorted(logq)
+        probs = [math.exp(logq[v]) / (mass + rest) for v in tokens] + [rest / (mass + rest)]
+        observed = [counts.get(v, 0) for v in tokens] + [0]
+        p_value = chi_square_p_value(observed, probs)
+        assert p_value >= MU_FALSE_ALARM, (params, p_value, counts.most_common(5))

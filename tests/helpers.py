@@ -1,11 +1,14 @@
 """Small helpers shared by test modules (imported as ``tests.helpers``): free ports and gloo ranks
-for multi-process tests, bytes autograd saves for backward."""
+for multi-process tests, bytes autograd saves for backward, the recipe driven with fixed
+rollouts."""
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,3 +57,113 @@ def saved_bytes(model: torch.nn.Module, fn: Callable[[], Any]) -> tuple[int, Any
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return sum(seen.values()), out
+
+
+# ----------------------------------------------------------------------------------------------
+# Driving the recipe with fixed rollouts (tests/distributed/test_one_vs_two_ranks.py,
+# tests/recipes/test_recipe_properties.py)
+
+REPO = Path(__file__).resolve().parents[1]
+# tiny_cpu, shrunk for one-step comparisons: 2 prompts x 4 samples, one minibatch per epoch
+# (so that 1 and 2 ranks take the same optimizer step on the same rows), micro-batches and scoring
+# chunks of 4 rows (the per-row forward has the same shape on 1 and on 2 ranks), SGD (an update
+# proportional to the gradient), one trainer thread, the engine in a thread.
+FIXED_BATCH_OVERRIDES = [
+    "total_steps=1",
+    "rollout.groups_per_batch=2",
+    "rollout.samples_per_prompt=4",
+    "ppo.epochs=1",
+    "ppo.minibatches=1",
+    "ppo.micro_batch_size=4",
+    "ppo.score_micro_batch_size=4",
+    "optimizer._component_=torch.optim.SGD",
+    "~optimizer.betas",
+    "optimizer.lr=0.1",
+    "critic.optimizer._component_=torch.optim.SGD",
+    "~critic.optimizer.weight_decay",
+    "critic.optimizer.lr=0.1",
+    "lr_scheduler.min_lr_ratio=1.0",
+    "cpu_threads=1",
+    "engine.in_process=true",
+    "progress_bar=false",
+    "checkpoint.export_hf=false",
+]
+
+
+def recipe_globals() -> dict[str, Any]:
+    """The recipe script's module globals (``AsyncPPORecipe``, ``recipe_main``, ...), loaded with
+    runpy as ``minippo run`` does (nothing imports the recipe)."""
+    import runpy
+
+    return runpy.run_path(str(REPO / "recipes" / "async_ppo.py"))
+
+
+def fixed_rollout_batch(args: Any, *, seed: int = 0, actor_seed: int = 0, mu_noise: float = 0.3):
+    """8 rollouts (2 prompts x 4 samples) of the tiny task's shape, the same in every process.
+
+    Prompts are left-padded (lengths 2..6), responses right-padded (lengths 1..5, some cut at the
+    maximum: ``truncated``). μ (``rollout_logprobs``) is the logprob of each token under the
+    recipe's initial actor (``init_weights(seed=actor_seed)``) plus seeded Gaussian noise of
+    std ``mu_noise``, so that importance weights differ from 1 and some tokens leave the
+    correction's mask. Rewards are seeded uniforms; versions 0.
+    """
+    from minippo.models import Transformer, init_weights, response_logprobs
+    from minippo.rl.types import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    B, P, R = 8, 6, 5
+    prompt_len = [6, 4, 6, 5, 3, 6, 2, 6]
+    resp_len = [5, 3, 5, 1, 4, 5, 2, 5]
+    ids = torch.zeros(B, P + R, dtype=torch.long)
+    attn = torch.zeros(B, P + R, dtype=torch.bool)
+    for b in range(B):
+        ids[b, P - prompt_len[b] : P] = torch.randint(
+            1, args.vocab_size, (prompt_len[b],), generator=g
+        )
+        ids[b, P : P + resp_len[b]] = torch.randint(1, args.vocab_size, (resp_len[b],), generator=g)
+        attn[b, P - prompt_len[b] : P + resp_len[b]] = True
+    mask = attn[:, P:].float()
+    batch = RolloutBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        position_ids=(attn.long().cumsum(-1) - 1).clamp(min=0),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(B, R),
+        versions=torch.where(mask > 0, 0, -1),
+        rewards=torch.rand(B, generator=g),
+        group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
+        truncated=torch.tensor([n == R for n in resp_len]),
+    )
+    actor = init_weights(Transformer(args), seed=actor_seed)
+    with torch.no_grad():
+        lp = response_logprobs(actor, batch, temperature=1.0)
+    noise = mu_noise * torch.randn(B, R, generator=g)
+    batch.rollout_logprobs = torch.where(mask > 0, lp + noise, 0.0)
+    return batch
+
+
+def rank_rows(batch: Any, rank: int, world_size: int) -> Any:
+    """This rank's share of a batch: consecutive rows (whole prompt groups for 2 groups of 4)."""
+    n = batch.batch_size // world_size
+    return batch.select(slice(rank * n, (rank + 1) * n))
+
+
+@contextmanager
+def recipe_on_fixed_batches(cfg: Any, batch_of_step: Callable[[int], Any], rank: int = 0,
+                            world_size: int = 1) -> Iterator[Any]:  # fmt: skip
+    """The recipe, set up, whose rollout queue hands it ``rank_rows(batch_of_step(step))``
+    instead of the engine's rollouts; cleaned up on exit (``recipe.cleanup()``, which also ends
+    the process group if there is one)."""
+    from minippo.training.rollout_queue import QueueBatch
+
+    recipe = recipe_globals()["AsyncPPORecipe"](cfg)
+    try:
+        recipe.setup(cfg)
+
+        def get_batch(step: int, timeout: float | None = None) -> QueueBatch:
+            return QueueBatch(step, rank_rows(batch_of_step(step), rank, world_size), [], {})
+
+        recipe.queue.get_batch = get_batch
+        yield recipe
+    finally:
+        recipe.cleanup()

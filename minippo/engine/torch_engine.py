@@ -60,8 +60,11 @@ from minippo.models import KVCache, ModelArgs, Transformer, native_name
 
 
 def default_num_threads() -> int:
-    """Torch threads of the engine process: half the cores (1 on a 2-core machine)."""
-    return max(1, (os.cpu_count() or 2) // 2)
+    """Torch threads of the engine process: half the cores shared by the engines of the ranks on
+    this node (``LOCAL_WORLD_SIZE``, set by torchrun; the trainers get the other half), at least
+    1: 1 on a 2-core machine, 4 per engine with 16 cores and 2 ranks."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 2) // 2 // ranks_here)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,8 +475,8 @@ class TorchEngine:
                         below it).
         in_process:     run the serving loop in a thread of this process instead of a spawned
                         process (same code; for tests and debugging).
-        num_threads:    torch threads of the engine process (default: half the cores, 1 on a
-                        2-core machine). Ignored in-process.
+        num_threads:    torch threads of the engine process (default: half the cores divided
+                        by the ranks on this node, at least 1). Ignored in-process.
         max_batch_size: most rows decoded together; more waiting requests form the next wave.
         compact:        drop finished rows from the batch (KVCache.keep). False keeps computing
                         them until the whole wave is done (only useful to measure the gain).

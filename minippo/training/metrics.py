@@ -90,7 +90,7 @@ class JsonlLogger:
     Resuming: the first ``log(metrics, step=s)`` keeps the rows of an existing file with a step
     below ``s`` and drops the others. A fresh run (first step 0) therefore starts the file anew,
     and a run resumed at step ``s`` continues it without duplicating the rows that the interrupted
-    run logged after its last checkpoint.
+    run logged after its last checkpoint; a last line that a crash cut short is dropped too.
 
     Args:
         path: the .jsonl file.
@@ -106,9 +106,9 @@ class JsonlLogger:
         kept = []
         if self.path.is_file():
             with open(self.path, encoding="utf-8") as f:
-                kept = [
-                    line for line in f if line.strip() and json.loads(line)["step"] < first_step
-                ]
+                # a last line without its newline is a write cut short by a crash: dropped
+                lines = [line for line in f if line.endswith("\n") and line.strip()]
+            kept = [line for line in lines if json.loads(line)["step"] < first_step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)

@@ -63,6 +63,7 @@ def harness_for(in_process: bool) -> EngineHarness:
         weights=weights,
         reference_logprobs=reference_logprobs,
         long_tokens=ARGS.max_seq_len - 8,
+        mu_draws=4000,
     )
 
 

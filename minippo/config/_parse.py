@@ -120,9 +120,17 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
                 + f"; to add a new key write +{key}={value}"
             )
         try:
-            parsed = OmegaConf.from_dotlist([f"v={value}"])["v"] if value != "" else ""
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"cannot parse the value of override {raw!r}: {e}") from e
+            # the value as written: ${...} in an override resolve with the config, later
+            node = OmegaConf.from_dotlist([f"v={value}"])._get_node("v") if value else None
+            if node is None:
+                parsed = ""
+            elif isinstance(node, DictConfig | ListConfig):
+                parsed = OmegaConf.to_container(node, resolve=False)
+            else:
+                parsed = node._value()
+        except Exception as e:  # omegaconf's and yaml's errors (a quote or bracket left open)
+            msg = " ".join(str(e).split())
+            raise ConfigError(f"cannot parse the value of override {raw!r}: {msg}") from e
         OmegaConf.update(cfg, key, parsed, merge=False, force_add=add)
 
 
@@ -139,7 +147,22 @@ def resolve(cfg: DictConfig) -> None:
             problems.append(f"{path}: cannot resolve interpolation: {msg}")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems), problems)
+    # which values came from ${...}: a bad value is then reported once, at its source
+    object.__setattr__(cfg, INTERPOLATED, frozenset(_interpolated_paths(cfg)))
     OmegaConf.resolve(cfg)
+
+
+INTERPOLATED = "_minippo_interpolated"  # attribute of a loaded config: keys that were ${...}
+
+
+def _interpolated_paths(cfg: DictConfig) -> Iterator[str]:
+    for path in leaf_paths(cfg):
+        if "[" in path:
+            continue
+        parent_key, _, leaf = path.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        if isinstance(parent, DictConfig) and OmegaConf.is_interpolation(parent, leaf):
+            yield path
 
 
 def leaf_paths(node: DictConfig | ListConfig, prefix: str = "") -> Iterator[str]:

@@ -31,6 +31,8 @@ def error_lines(e: BaseException) -> list[str]:
     if isinstance(e, ConfigError) and len(e.problems) > 1:
         return list(e.problems)
     parts = [_one_line(e)]
+    if isinstance(e, ConfigError):  # its message says it all
+        return parts
     cause, seen = e.__cause__, 0
     while cause is not None and seen < 3:  # "the producer failed" + why
         text = _one_line(cause)

@@ -209,7 +209,16 @@ def _as_optional(spec: Spec) -> Spec:
 def check_schema(cfg: DictConfig, schema: Mapping[str, Spec]) -> list[str]:
     """Every problem of ``cfg`` against ``schema``, one line each (see the module docstring)."""
     declared = sorted(_declared(schema))
-    return list(_check_mapping(cfg, schema, "", declared, closed=True))
+    problems = list(_check_mapping(cfg, schema, "", declared, closed=True))
+    # a key set by ${other} repeats other's bad value: report it once, at its source
+    interpolated = getattr(cfg, "_minippo_interpolated", None) or frozenset()
+    values = [p.rpartition(", got ")[2] for p in problems]
+    return [
+        p
+        for i, p in enumerate(problems)
+        if p.partition(" must be ")[0] not in interpolated
+        or values[i] not in values[:i] + values[i + 1 :]
+    ]
 
 
 def _check_mapping(

@@ -39,7 +39,6 @@ import errno
 import json
 import logging
 import os
-import pickle
 import random
 import shutil
 import time
@@ -53,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class Checkpointer:
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
             torch.save(extra, tmp / f"extra_rank{_rank()}.pt")
-        except (OSError, RuntimeError, pickle.PicklingError) as e:  # a full disk, for one
+        except (Exception, CheckpointException) as e:  # a full disk, for one
             error = e
         if not _all_ranks_ok(error is None):
             self._failed_save(step, tmp, error)
@@ -241,7 +241,7 @@ class Checkpointer:
             why = f"no space left on device ({free:.1f} MiB free)"
             fix = "; free some space or set checkpoint.dir to another disk"
         else:
-            why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+            why = f"{type(error).__name__}: {_last_line(error)}"
         raise OSError(
             f"{where}: {why}; the partial checkpoint was removed and {kept}{fix}"
         ) from error
@@ -448,6 +448,12 @@ def _all_ranks_ok(ok: bool) -> bool:
         flag = flag.cuda()
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return float(flag.item()) == 0.0
+
+
+def _last_line(error: BaseException) -> str:
+    """The gist of an error whose text may hold tracebacks (DCP's CheckpointException)."""
+    lines = [x.strip() for x in str(error).splitlines() if x.strip()]
+    return lines[-1] if lines else ""
 
 
 def _disk_full(error: BaseException) -> bool:

@@ -23,8 +23,10 @@ from minippo import models, parallel, rl
 from minippo.config import canonical_dtype, instantiate, torch_dtype
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
-from minippo.rl.correction import build_correction, validate_async_off_policy_correction
+from minippo.rl.correction import build_correction
+from minippo.training import preflight
 from minippo.training.checkpoint import Checkpointer, RNGState
+from minippo.training.interrupt import StopOnSignal
 from minippo.training.metrics import MetricAverager, NoOpLogger, gather_and_reduce
 from minippo.training.nan_guard import NonFiniteGuard
 from minippo.training.optimizers import build_optimizer
@@ -38,63 +40,53 @@ LOSS_SHARES = ("train/loss", "train/policy_loss", "train/kl_loss", "train/value_
 
 
 def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) -> None:
-    """Every shape and option check that needs no model, with the values and the fix."""
-    r, ppo = cfg.rollout, cfg.ppo
-    est = cfg.advantage_estimator
-    if est not in rl.ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"advantage_estimator must be one of {sorted(rl.ADVANTAGE_ESTIMATORS)}, got {est!r}"
+    """Every check that needs no model, all problems at once (``minippo validate`` and the torchrun
+    launcher run it too): keys, types, ranges (ASYNC_PPO_SCHEMA), components and the correction
+    contract (``preflight.config_problems``), then the shapes below, each with values and fix."""
+    problems = preflight.config_problems(cfg, preflight.ASYNC_PPO_SCHEMA)
+    if problems:  # the shape checks below need well-typed values
+        preflight.raise_problems(problems)
+    r, ppo, est = cfg.rollout, cfg.ppo, cfg.advantage_estimator
+    if est == "grpo" and r.samples_per_prompt < 2:
+        problems.append(
+            f"advantage_estimator=grpo compares samples of one prompt: rollout.samples_per_prompt "
+            f"({r.samples_per_prompt}) must be >= 2"
         )
-    if cfg.total_steps < 1:
-        raise ValueError(f"total_steps must be >= 1, got {cfg.total_steps}")
     if r.groups_per_batch % world_size:
-        raise ValueError(
+        problems.append(
             f"rollout.groups_per_batch ({r.groups_per_batch}) must be divisible by the number of "
             f"ranks ({world_size}); set rollout.groups_per_batch="
             f"{max(world_size, r.groups_per_batch // world_size * world_size)}"
         )
     rows = r.groups_per_batch // world_size * r.samples_per_prompt  # rows per rank per step
     if rows % ppo.minibatches:
-        raise ValueError(
+        problems.append(
             f"rows per rank ({rows} = groups_per_batch {r.groups_per_batch} / {world_size} ranks x "
             f"samples_per_prompt {r.samples_per_prompt}) must be divisible by ppo.minibatches "
             f"({ppo.minibatches}); pick ppo.minibatches among "
             f"{[d for d in range(1, rows + 1) if rows % d == 0]}"
         )
-    mb_rows = rows // ppo.minibatches
-    if mb_rows % ppo.micro_batch_size:
-        raise ValueError(
+    elif (mb_rows := rows // ppo.minibatches) % ppo.micro_batch_size:
+        problems.append(
             f"minibatch rows ({mb_rows}) must be divisible by ppo.micro_batch_size "
             f"({ppo.micro_batch_size}); pick one of {[d for d in range(1, mb_rows + 1) if mb_rows % d == 0]}"
         )
-    if est == "grpo" and r.samples_per_prompt < 2:
-        raise ValueError(
-            f"advantage_estimator=grpo compares samples of one prompt: rollout.samples_per_prompt "
-            f"({r.samples_per_prompt}) must be >= 2"
-        )
-    if cfg.kl.coef < 0 or cfg.kl.mode not in ("reward", "loss"):
-        raise ValueError(
-            f"kl.coef ({cfg.kl.coef}) must be >= 0 and kl.mode ({cfg.kl.mode!r}) 'reward' or 'loss'"
-        )
     if cfg.kl.coef > 0 and cfg.kl.mode == "loss" and cfg.kl.estimator == "k1":
-        raise ValueError(
+        problems.append(
             "kl.estimator=k1 with kl.mode=loss has zero expected gradient (E_π[∇log π] = 0); "
             "set kl.estimator=k2 (gradient of KL(π‖π_ref)) or k3 (gradient of KL(π_ref‖π))"
         )
-    if rl.needs_critic(est) and not 0 <= cfg.critic.warmup_steps < cfg.total_steps:
-        raise ValueError(
+    if rl.needs_critic(est) and cfg.critic.warmup_steps >= cfg.total_steps:
+        problems.append(
             f"critic.warmup_steps ({cfg.critic.warmup_steps}) must be in [0, total_steps "
             f"({cfg.total_steps}))"
         )
-    if ppo.score_micro_batch_size is not None and ppo.score_micro_batch_size < 1:
-        raise ValueError(
-            f"ppo.score_micro_batch_size must be >= 1 or null, got {ppo.score_micro_batch_size}"
-        )
     if canonical_dtype(cfg.dtype, "dtype") != "float32" and not distributed:
-        raise ValueError(
+        problems.append(
             f"dtype={cfg.dtype} is FSDP2 mixed precision (fp32 master weights), which needs a "
             "process group: run `minippo run --nproc-per-node 1 async_ppo ...`, or set dtype=fp32"
         )
+    preflight.raise_problems(problems)
 
 
 class AsyncPPORecipe:
@@ -134,10 +126,10 @@ class AsyncPPORecipe:
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        # Fail fast: the correction contract and every shape check, before any process group,
-        # model, engine or dataset exists.
-        validate_async_off_policy_correction(cfg)
+        # Fail fast: every config and input check, all problems at once, before any process
+        # group, model, engine or dataset exists and before anything is written.
         validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), "RANK" in os.environ)
+        preflight.check_inputs(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.cfg = cfg
         self.dist = parallel.init_distributed()
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
@@ -159,22 +151,19 @@ class AsyncPPORecipe:
         self.output_dir = OutputDir.of_run(cfg)  # one run per output_dir, locked until cleanup
         if self.is_main:
             self.output_dir.claim()
+        self.interrupt = StopOnSignal().install()  # SIGTERM/SIGINT: checkpoint at step end, stop
 
     # ------------------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
         self.tokenizer = instantiate(cfg.tokenizer)
         self.dataset = instantiate(cfg.dataset, tokenizer=self.tokenizer)
+        preflight.warn_if_prompts_cycle(len(self.dataset), cfg.rollout.groups_per_batch)
         self.reward_fn = instantiate(cfg.reward)
 
         # Models: built on the meta device, sharded (under torchrun), then filled with the
         # checkpoint's or a seeded random init's weights. The engine is built from the model
         # config and receives its weights through the first publish.
-        args = self._model_args(cfg.checkpoint_path)
-        if args.vocab_size < self.tokenizer.vocab_size:
-            raise ValueError(
-                f"the model's vocab_size ({args.vocab_size}) is smaller than the tokenizer's "
-                f"({self.tokenizer.vocab_size}); set model.vocab_size={self.tokenizer.vocab_size}"
-            )
+        args = self._model_args(cfg.checkpoint_path)  # its vocabulary fits the tokenizer: preflight
         self.engine = instantiate(cfg.engine, model_args=args)
         self.actor = self._build_model(args, cfg.checkpoint_path, seed=cfg.seed)
         self.critic = None
@@ -218,6 +207,7 @@ class AsyncPPORecipe:
             max_staleness=r.max_staleness,
             partial_rollout=r.partial_rollout,
             reward_fn=lambda s: self.reward_fn(s.prompt, s.text),
+            reward_name=cfg.reward._component_,  # named in the error for a NaN or a non-number
             decode=self.tokenizer.decode,
             pad_id=self.tokenizer.pad_id,
             seed=cfg.seed * 1000 + self.rank,
@@ -362,6 +352,7 @@ class AsyncPPORecipe:
             if (step + 1) % cfg.log_every_n_steps == 0 or step + 1 == self.total_steps:
                 self.logger.log(metrics, step=step)
             self.progress.update(metrics)
+            self.interrupt.at_step_end(step + 1, save=self.save_checkpoint)  # after a signal
             if (step + 1) % cfg.checkpoint.every_n_steps == 0 or step + 1 == self.total_steps:
                 self.save_checkpoint(step + 1)
         self.progress.close()
@@ -519,12 +510,7 @@ class AsyncPPORecipe:
 
     def _load_checkpoint(self, path: Path) -> None:
         meta = self.checkpointer.load(path, models=self._models(), states=self.states)
-        self.start_step = int(meta["step"])
-        if self.start_step >= self.total_steps:
-            raise ValueError(
-                f"checkpoint {path} is at step {self.start_step}, but total_steps is "
-                f"{self.total_steps}; raise total_steps to continue training"
-            )
+        self.start_step = int(meta["step"])  # < total_steps, world size as saved: preflight
         self.ckpt_path = path
         if self.is_main:
             print(f"resumed from {path} at step {self.start_step}")
@@ -536,6 +522,7 @@ class AsyncPPORecipe:
         if self.engine is not None:  # after the queue, which may still be generating
             self.engine.shutdown()
         self.output_dir.release()
+        self.interrupt.uninstall()
         if self.dist.distributed:
             parallel.destroy_distributed()
 
@@ -549,8 +536,7 @@ def recipe_main(cfg: DictConfig) -> None:
         recipe.cleanup()
 
 
-if __name__ == "__main__":
-    from minippo.config import parse_recipe_args
+if __name__ == "__main__":  # errors end in one line (MINIPPO_LOG_LEVEL=DEBUG: the traceback)
+    from minippo.config import run_recipe
 
-    logging.basicConfig(level=os.environ.get("MINIPPO_LOG_LEVEL", "WARNING"))
-    recipe_main(parse_recipe_args())
+    run_recipe(recipe_main)

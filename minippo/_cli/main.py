@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import logging
+import os
 import runpy
 import shutil
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from minippo._cli import registry
 from minippo._cli.plan import add_plan_parser
-from minippo.config import ConfigError, check_no_flags, load_config, validate
+from minippo.config import ConfigError, check_no_flags, load_config, report_error, validate
+from minippo.config._report import debug, setup_logging
 
 EXAMPLES = textwrap.dedent(
     """\
@@ -30,7 +34,11 @@ EXAMPLES = textwrap.dedent(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script; returns the process exit code."""
+    """Entry point of the console script; returns the process exit code.
+
+    Errors end in one ``minippo: error:`` line (exit code 2 for bad input, 1 otherwise);
+    ``MINIPPO_LOG_LEVEL=DEBUG`` also prints the traceback."""
+    setup_logging()
     parser = _build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":
@@ -46,9 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _guard(func, args) -> int:
     try:
         return func(args) or 0
-    except ConfigError as e:
-        print(f"minippo: error: {e}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as e:
+        return report_error(e)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -111,22 +118,39 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "validate",
-        help="check a config: YAML, overrides, interpolations and every _component_",
+        help="run every check `minippo run` runs before it builds anything",
         description=(
-            "Load a config, apply overrides, resolve ${...}, import every _component_ and bind its "
-            "keys to the real signature; for async_ppo configs also run the off-policy correction "
-            "check. Prints each problem with its key path; exit code 1 when there are problems."
+            "Load a config, apply overrides, resolve ${...}; then run the checks `minippo run` "
+            "runs before it builds or writes anything: the recipe's validate_config (every key "
+            "the recipe reads, with its type and range, and misspelled keys of the YAML file as "
+            "of the command line; every _component_ imported and bound to its signature; the "
+            "off-policy correction contract; the batch shapes for the number of ranks) and the "
+            "input files (checkpoint_path, dataset files, the checkpoint to resume, output_dir). "
+            "Prints every problem, one line each; exit code 1 when there are problems."
         ),
         epilog=textwrap.dedent(
             """\
             examples:
               minippo validate --config tiny_cpu
               minippo validate --config my_tiny.yaml rollout.max_staleness=4
+              minippo validate --config my_8gpu.yaml --nproc-per-node 8
+              minippo validate --recipe my_ppo.py --config my.yaml
             """
         ),
         formatter_class=fmt,
     )
     p.add_argument("--config", required=True, help="built-in config name or path to a YAML")
+    p.add_argument(
+        "--recipe",
+        help="built-in recipe name or .py file whose checks to run (default: the recipe of a "
+        "built-in config, else async_ppo for a config with a rollout section)",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="ranks the run will have, as given to `minippo run --nproc-per-node` (default: the "
+        "launch a built-in config is written for, else one plain process)",
+    )
     p.add_argument("overrides", nargs="*", help="key=value, +key=value or ~key")
     p.set_defaults(func=_validate)
 
@@ -195,24 +219,64 @@ def _cp(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    _add_cwd_to_path()
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         _print_problems(e.problems)
         return 1
-    problems = validate(cfg)
-    if "rollout" in cfg:  # an async_ppo config: run the fail-fast correction check too
-        from minippo.rl.correction import validate_async_off_policy_correction
-
-        try:
-            validate_async_off_policy_correction(cfg)
-        except ValueError as e:
-            problems.append(str(e))
+    recipe = _recipe_of(args.recipe, args.config, cfg)
+    nproc = args.nproc_per_node
+    if nproc is None and registry.config_entry(args.config) is not None:
+        nproc = registry.config_entry(args.config)[1].nproc_per_node
+    problems = run_checks(cfg, recipe, world_size=nproc or 1, distributed=nproc is not None)
     if problems:
         _print_problems(problems)
         return 1
     print("Config is well-formed!")
     return 0
+
+
+def _recipe_of(recipe: str | None, config: str, cfg) -> Path | None:
+    """The recipe file whose checks apply to a config (see `minippo validate --help`)."""
+    if recipe is not None:
+        return _recipe_path(recipe)
+    entry = registry.config_entry(config)
+    if entry is not None:
+        return registry.builtin_recipe_path(entry[0].name)
+    return registry.builtin_recipe_path("async_ppo") if "rollout" in cfg else None
+
+
+def recipe_checks(recipe_path: Path) -> Callable | None:
+    """The ``validate_config(cfg, world_size, distributed)`` a recipe file defines (None when it
+    defines none). The file is run under another name than ``__main__``, so its main block does
+    not run; a recipe that defines ``validate_config`` must keep its other top-level code cheap."""
+    tree = ast.parse(recipe_path.read_text(encoding="utf-8"), str(recipe_path))
+    if not any(isinstance(n, ast.FunctionDef) and n.name == "validate_config" for n in tree.body):
+        return None
+    return runpy.run_path(str(recipe_path), run_name="__minippo_checks__")["validate_config"]
+
+
+def run_checks(cfg, recipe_path: Path | None, *, world_size: int, distributed: bool) -> list[str]:
+    """Every problem `minippo run` would refuse ``cfg`` for before building anything: the
+    recipe's ``validate_config`` (or, for a recipe without one, the ``_component_`` checks), then
+    the input files (``minippo.training.preflight``); one line each."""
+    from minippo.training.preflight import input_problems
+
+    check = recipe_checks(recipe_path) if recipe_path is not None else None
+    problems: list[str] = []
+    if check is None:
+        problems = validate(cfg)
+    else:
+        try:
+            check(cfg, world_size, distributed)
+        except ConfigError as e:
+            problems = list(e.problems)
+        except ValueError as e:
+            problems = [str(e)]
+    if not problems:  # as in a run: the files once the config is right
+        problems = input_problems(cfg, world_size)
+    return problems
 
 
 def _print_problems(problems: list[str]) -> None:
@@ -225,7 +289,7 @@ def _run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_RUN_HELP)
         return 0 if argv else 2
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import get_args_parser
 
     launcher = get_args_parser()
     launcher.prog = "minippo run"
@@ -240,26 +304,26 @@ def _run(argv: list[str]) -> int:
         if k not in ("training_script", "training_script_args")
     )
 
-    recipe = largs.training_script
-    if recipe.endswith(".py"):
-        recipe_path = Path(recipe)
-        if not recipe_path.is_file():
-            raise ConfigError(f"recipe file {recipe!r} does not exist")
-    else:
-        recipe_path = registry.builtin_recipe_path(recipe)
-
+    recipe_path = _recipe_path(largs.training_script)
     rest = list(largs.training_script_args)
     config, overrides = _split_config(rest)
     cfg_path = _config_path(config)
     # Fail fast in the launcher, before any process is started: the config must load.
-    load_config(cfg_path, overrides)
+    cfg = load_config(cfg_path, overrides)
+    _add_cwd_to_path()  # modules of the current folder (a user's reward) import, as in Python
 
     script_args = ["--config", str(cfg_path), *overrides]
     if distributed:
+        # every check each rank would run first, once here, before any rank is started
+        world_size = _world_size(largs)
+        problems = run_checks(cfg, recipe_path, world_size=world_size, distributed=True)
+        if problems:
+            raise ConfigError("\n".join(problems), problems)
         largs.training_script = str(recipe_path)
         largs.training_script_args = script_args
-        run(largs)
-        return 0
+        if largs.master_port == 0:  # "any free port": the ranks must all be told the same one
+            largs.master_port = _free_port()
+        return _launch(largs)
     old_argv = sys.argv
     sys.argv = [str(recipe_path), *script_args]
     try:
@@ -268,6 +332,72 @@ def _run(argv: list[str]) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         sys.argv = old_argv
+    return 0
+
+
+def _recipe_path(recipe: str) -> Path:
+    if recipe.endswith(".py"):
+        path = Path(recipe).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"recipe file {recipe!r} does not exist")
+        return path
+    return registry.builtin_recipe_path(recipe)
+
+
+def _add_cwd_to_path() -> None:
+    """Make modules in the current folder importable here and in ranks started from here (the
+    console script's sys.path does not hold the current folder, `python -m` does)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if cwd not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *parts])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _world_size(largs: argparse.Namespace) -> int:
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+    per_node = determine_local_world_size(largs.nproc_per_node)
+    low, high = parse_min_max_nnodes(largs.nnodes)
+    return per_node * high if low == high else per_node
+
+
+def _launch(largs: argparse.Namespace) -> int:
+    """torchrun in this process; a failed rank or a signal ends in one line, not torchrun's
+    report (each rank printed its own error)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    if not debug():  # torchrun's own notices (OMP_NUM_THREADS, "sending signal ...")
+        names = list(logging.root.manager.loggerDict)
+        for name in [*names, "torch.distributed.run", "torch.distributed.elastic"]:
+            if name.startswith(("torch.distributed.run", "torch.distributed.elastic")):
+                logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        run(largs)
+    except SignalException as e:  # the ranks got the signal too and stopped at a step's end
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        code = failure.exitcode
+        if code < 0:
+            print(
+                f"minippo: error: rank {rank} was killed by signal {failure.signal_name()}; "
+                "the other ranks were stopped",
+                file=sys.stderr,
+            )
+            return 128 - code
+        return code
     return 0
 
 

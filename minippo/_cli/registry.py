@@ -17,6 +17,7 @@ from minippo.config._errors import ConfigError
 class Config:
     name: str
     file_path: str  # relative to configs/
+    nproc_per_node: int | None = None  # the launch it is written for (None: a plain process)
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,16 @@ RECIPES: tuple[Recipe, ...] = (
         file_path="async_ppo.py",
         configs=(
             Config(name="tiny_cpu", file_path="tiny_cpu.yaml"),
-            Config(name="qwen3_0_6b_gsm8k_1gpu", file_path="qwen3_0_6b_gsm8k_1gpu.yaml"),
-            Config(name="qwen3_4b_dapo_math_8gpu", file_path="qwen3_4b_dapo_math_8gpu.yaml"),
+            Config(
+                name="qwen3_0_6b_gsm8k_1gpu",
+                file_path="qwen3_0_6b_gsm8k_1gpu.yaml",
+                nproc_per_node=1,
+            ),
+            Config(
+                name="qwen3_4b_dapo_math_8gpu",
+                file_path="qwen3_4b_dapo_math_8gpu.yaml",
+                nproc_per_node=8,
+            ),
         ),
     ),
 )
@@ -60,6 +69,15 @@ def config_names() -> list[str]:
 
 def get_recipe(name: str) -> Recipe | None:
     return next((r for r in RECIPES if r.name == name), None)
+
+
+def config_entry(name: str) -> tuple[Recipe, Config] | None:
+    """The built-in recipe and config entry of a built-in config name (None for other names)."""
+    for recipe in RECIPES:
+        for config in recipe.configs:
+            if config.name == name:
+                return recipe, config
+    return None
 
 
 def builtin_recipe_path(name: str) -> Path:

@@ -7,13 +7,18 @@ Override syntax (the same for ``minippo run``, ``minippo validate`` and a recipe
     ~a.b         delete a key
 
 Setting a key that does not exist is an error (it is almost always a typo); the message suggests the
-closest existing keys and says how to add a new one on purpose.
+closest existing keys and says how to add a new one on purpose. (Keys of the YAML file itself are
+checked by the recipe's schema, ``minippo.config.schema``.)
+
+A value that starts with ``~/`` (or is ``~``) is a path in the home folder: it is expanded before
+``${...}`` are resolved, so ``output_dir=~/runs/x`` also moves ``${output_dir}/checkpoints``.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
@@ -31,7 +36,11 @@ _MISSING = object()
 
 def resolve_config_path(config: str | Path) -> Path:
     """A built-in config name (``tiny_cpu``) or a path to a YAML file -> the file's path."""
-    path = Path(config)
+    path = Path(config).expanduser()
+    if path.is_dir():
+        raise ConfigError(
+            f"--config {str(config)!r} is a folder; give a YAML file or a built-in config name"
+        )
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise ConfigError(f"config file {str(config)!r} does not exist")
@@ -52,12 +61,27 @@ def load_config(config: str | Path, overrides: Sequence[str] = ()) -> DictConfig
     try:
         cfg = OmegaConf.load(path)
     except Exception as e:  # yaml errors carry line/column in their text
-        raise ConfigError(f"cannot parse config {str(path)!r}: {e}") from e
+        msg = " ".join(str(e).split())
+        raise ConfigError(f"cannot parse config {str(path)!r}: {msg}") from e
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"config {str(path)!r} must be a YAML mapping at top level, got a list")
     apply_overrides(cfg, overrides)
+    expand_home(cfg)
     resolve(cfg)
     return cfg
+
+
+def expand_home(node: DictConfig | ListConfig) -> None:
+    """Expand ``~/...`` (and ``~``) in every string value, in place; interpolations untouched."""
+    items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else enumerate(node)
+    for key, _ in list(items):
+        child = node._get_node(key)
+        if isinstance(child, DictConfig | ListConfig):
+            expand_home(child)
+            continue
+        value = child._value() if child is not None else None
+        if isinstance(value, str) and (value == "~" or value.startswith("~/")):
+            node[key] = os.path.expanduser(value)
 
 
 def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
@@ -96,9 +120,17 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
                 + f"; to add a new key write +{key}={value}"
             )
         try:
-            parsed = OmegaConf.from_dotlist([f"v={value}"])["v"] if value != "" else ""
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"cannot parse the value of override {raw!r}: {e}") from e
+            # the value as written: ${...} in an override resolve with the config, later
+            node = OmegaConf.from_dotlist([f"v={value}"])._get_node("v") if value else None
+            if node is None:
+                parsed = ""
+            elif isinstance(node, DictConfig | ListConfig):
+                parsed = OmegaConf.to_container(node, resolve=False)
+            else:
+                parsed = node._value()
+        except Exception as e:  # omegaconf's and yaml's errors (a quote or bracket left open)
+            msg = " ".join(str(e).split())
+            raise ConfigError(f"cannot parse the value of override {raw!r}: {msg}") from e
         OmegaConf.update(cfg, key, parsed, merge=False, force_add=add)
 
 
@@ -115,7 +147,22 @@ def resolve(cfg: DictConfig) -> None:
             problems.append(f"{path}: cannot resolve interpolation: {msg}")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems), problems)
+    # which values came from ${...}: a bad value is then reported once, at its source
+    object.__setattr__(cfg, INTERPOLATED, frozenset(_interpolated_paths(cfg)))
     OmegaConf.resolve(cfg)
+
+
+INTERPOLATED = "_minippo_interpolated"  # attribute of a loaded config: keys that were ${...}
+
+
+def _interpolated_paths(cfg: DictConfig) -> Iterator[str]:
+    for path in leaf_paths(cfg):
+        if "[" in path:
+            continue
+        parent_key, _, leaf = path.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        if isinstance(parent, DictConfig) and OmegaConf.is_interpolation(parent, leaf):
+            yield path
 
 
 def leaf_paths(node: DictConfig | ListConfig, prefix: str = "") -> Iterator[str]:

@@ -118,7 +118,22 @@ def load_rows(
         if isinstance(data_files, Sequence) and not isinstance(data_files, str)
         else data_files
     )
-    return datasets.load_dataset(fmt, name, data_files=files, split=split)
+    what = f"dataset {source!r}" + (f" (data_files={data_files})" if data_files else "")
+    try:
+        rows = datasets.load_dataset(fmt, name, data_files=files, split=split)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{what}: {e}; check dataset.data_files or dataset.source") from e
+    except StopIteration:  # what `datasets` raises for an empty file
+        raise ValueError(f"{what} has no rows (an empty file?)") from None
+    except Exception as e:  # parse errors arrive wrapped: the cause says what is wrong
+        inner = e.__cause__ or e
+        raise ValueError(
+            f"cannot read {what} as {fmt}: {type(inner).__name__}: {inner}; is the file "
+            f"corrupt, truncated or not {fmt}?"
+        ) from e
+    if len(rows) == 0:
+        raise ValueError(f"{what} has no rows (split {split!r})")
+    return rows
 
 
 def load_prompt_dataset(

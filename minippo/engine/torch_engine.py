@@ -22,7 +22,8 @@ weights packed once per publish (``minippo.engine._cpu_kernels``); see docs/engi
 
 Process model: ``TorchEngine(model_args)`` starts a spawned child process that allocates its own
 model from the config (no weights are copied at start) and serves requests from a message queue,
-so generation really overlaps training in the parent; the first ``publish_weights`` fills it.
+so generation really overlaps training in the parent; the first ``publish_weights`` fills it. The
+child dies with its parent, even one killed with SIGKILL (no orphaned engine keeps its memory).
 ``in_process=True`` runs the same serving loop in a thread of the calling process (for tests and
 debugging). The parent-side API is thread-safe.
 """
@@ -34,6 +35,7 @@ import itertools
 import os
 import queue as queue_lib
 import random
+import signal
 import threading
 import time
 import traceback
@@ -436,7 +438,15 @@ class _Server:
 
 
 def _serve_in_child(spec: dict, inbox: Any, outbox: Any) -> None:
-    """Entry point of the engine process: allocate the model, then serve until shutdown."""
+    """Entry point of the engine process: allocate the model, then serve until shutdown.
+
+    The process lives exactly as long as its trainer: it dies with it (SIGKILL included; see
+    ``die_with_parent``) and ignores Ctrl-C, which the terminal sends to the whole process group:
+    the trainer decides when the engine stops (``shutdown``)."""
+    from minippo.parallel.distributed import die_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent_pid=spec["parent_pid"], prctl=spec["from_main_thread"])
     torch.set_num_threads(spec["num_threads"])
     try:
         server = _Server(inbox=inbox, outbox=outbox, **spec["server"])
@@ -539,7 +549,13 @@ class TorchEngine:
             ctx = mp.get_context("spawn")
             self._inbox = ctx.Queue()
             self._outbox = ctx.Queue()
-            spec = {"num_threads": num_threads or default_num_threads(), "server": server_kw}
+            spec = {
+                "num_threads": num_threads or default_num_threads(),
+                "server": server_kw,
+                "parent_pid": os.getpid(),
+                # the kernel's parent-death signal follows the thread that starts the process
+                "from_main_thread": threading.current_thread() is threading.main_thread(),
+            }
             self._process = ctx.Process(
                 target=_serve_in_child, args=(spec, self._inbox, self._outbox), daemon=True
             )

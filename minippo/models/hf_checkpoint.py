@@ -24,6 +24,8 @@ from torch import nn
 from minippo.models.model import SUPPORTED_ARCHITECTURES, ModelArgs, Transformer, ValueModel
 
 __all__ = [
+    "check_hf_folder",
+    "check_safetensors_file",
     "from_pretrained",
     "hf_config_from_model_args",
     "hf_name",
@@ -228,15 +230,68 @@ def _read_config(folder: Path) -> dict:
             f"{str(cfg_path)!r} not found: an HF checkpoint folder needs config.json next to its "
             "*.safetensors files"
         )
-    with open(cfg_path) as f:
-        return json.load(f)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{str(cfg_path)!r} is corrupt or truncated (not valid JSON: {e}); restore it from "
+            "the model's source"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{str(cfg_path)!r} is not a JSON object; restore it from the model's source"
+        )
+    return config
+
+
+def check_safetensors_file(file: str | Path) -> None:
+    """Raise ValueError naming ``file`` when it is truncated or its header is corrupt (reads the
+    header only: the 8-byte length, the JSON header and the file size it implies)."""
+    file = Path(file)
+    size = file.stat().st_size
+    fix = "download or copy it again"
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise ValueError(f"{str(file)!r} is corrupt or truncated (no valid header); {fix}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(
+                f"{str(file)!r} has a corrupt header (not valid JSON); {fix}"
+            ) from None
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        raise ValueError(
+            f"{str(file)!r} is truncated: {size} bytes, its header describes {need}; {fix}"
+        )
+
+
+def check_hf_folder(path: str | Path) -> ModelArgs:
+    """The :class:`ModelArgs` of an HF folder, after checking that config.json and every
+    safetensors file are complete (headers and sizes only, no tensor is read). Raises
+    FileNotFoundError / ValueError naming the missing, corrupt or truncated file."""
+    folder = Path(path)
+    args = model_args_from_hf_config(_read_config(folder))
+    for file in _safetensors_files(folder):
+        check_safetensors_file(file)
+    return args
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            raise ValueError(
+                f"{str(index)!r} is corrupt or truncated (no valid weight_map); restore it from "
+                "the model's source"
+            ) from None
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise FileNotFoundError(f"{index} lists files that do not exist: {missing}")
@@ -284,6 +339,7 @@ def iter_hf_tensors(
     plan: list[tuple[Path, str, str]] = []  # (file, hf key, native name)
     unexpected: list[str] = []
     for file in _safetensors_files(folder):
+        check_safetensors_file(file)
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if key.endswith("rotary_emb.inv_freq") or (

@@ -476,7 +476,9 @@ class ValueModel(_Decoder):
     ) -> torch.Tensor:
         """Values ``Float[B, S]`` (dtype of the weights): v[b, s] estimates the return after token s."""
         h = self.hidden_states(tokens, position_ids=position_ids, attention_mask=attention_mask)
-        return self.value_head(h).squeeze(-1)
+        # a tensor of its own, not a view of the head's [B, S, 1] output: FSDP2 hooks the output
+        # of the root module for backward, and a view of it would lose that hook to an in-place op
+        return self.value_head(h).squeeze(-1).clone()
 
 
 # ----------------------------------------------------------------------------------------------

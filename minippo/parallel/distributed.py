@@ -1,10 +1,18 @@
-"""Process-group setup for runs started by torchrun (or as a single plain process), and the small
-collectives over all ranks that the corrections use (a few floats; the union of weight versions)."""
+"""Process-group setup for runs started by torchrun (or as a single plain process), the lifetime of
+the processes of a run (:func:`die_with_parent`: a rank dies with its launcher, an engine process
+with its trainer) and the small collectives over all ranks that the corrections use (a few floats;
+the union of weight versions)."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -15,9 +23,14 @@ __all__ = [
     "DistInfo",
     "all_reduce_floats",
     "destroy_distributed",
+    "die_with_parent",
     "init_distributed",
     "union_over_ranks",
 ]
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_watched_parent: int | None = None  # the parent pid the watchdog of this process follows
 
 
 @dataclass(frozen=True)
@@ -50,11 +63,15 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     backend: None picks ``nccl`` on CUDA and ``gloo`` on CPU. Without torchrun's variables this is
     a single process: no process group is created and ``DistInfo(0, 1, 0, device, False)`` is
     returned. Calling it again once the group exists returns the same information.
+
+    A rank dies with the process that started it (torchrun's agent; :func:`die_with_parent`):
+    killing the launcher, even with SIGKILL, leaves no rank training on its own.
     """
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         return DistInfo(rank=0, world_size=1, local_rank=0, device=device, distributed=False)
+    die_with_parent()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if cuda:
@@ -80,6 +97,48 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     return DistInfo(
         rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True
     )
+
+
+def die_with_parent(
+    sig: int = signal.SIGKILL, *, parent_pid: int | None = None, prctl: bool = True
+) -> None:
+    """Make this process receive ``sig`` (default SIGKILL) when its parent process dies.
+
+    Two mechanisms, so that no process of a run outlives it (torchrun starts each rank in a
+    session of its own, so a killed launcher would otherwise leave its ranks training):
+
+    * Linux: ``prctl(PR_SET_PDEATHSIG, sig)``: the kernel sends ``sig`` when the parent *thread*
+      that started this process ends, so pass ``prctl=False`` when that was not the parent's
+      main thread (a helper thread that ends early would kill this process);
+    * everywhere: a daemon thread that checks every 0.5 s whether this process was re-parented
+      (its parent is gone) and then sends ``sig`` to this process.
+
+    ``parent_pid``: the parent's pid as the parent saw it (default: ``os.getppid()`` now); if the
+    parent is already gone when this is called, ``sig`` is sent at once. Idempotent.
+    """
+    global _watched_parent
+    parent = os.getppid() if parent_pid is None else int(parent_pid)
+    if _watched_parent == parent:
+        return
+    if prctl and sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            log.debug(
+                "prctl(PR_SET_PDEATHSIG) failed (errno %d); the watchdog remains",
+                ctypes.get_errno(),
+            )
+    if os.getppid() != parent:  # the parent ended before the death signal was armed
+        os.kill(os.getpid(), sig)
+    _watched_parent = parent
+    threading.Thread(
+        target=_watch_parent, args=(parent, sig), name="minippo-parent-watchdog", daemon=True
+    ).start()
+
+
+def _watch_parent(parent: int, sig: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), sig)
 
 
 def destroy_distributed() -> None:

@@ -25,10 +25,17 @@ Everything else is a ``Stateful`` (torchtitan's pattern): any object with ``stat
 the checkpointer saves each one's ``state_dict()`` and, on load, hands it back to the object of
 the same name. ``meta.json`` records ``format`` (:data:`CHECKPOINT_FORMAT`); a checkpoint of
 another format is refused with a message that names it.
+
+Damage: :func:`verify_checkpoint` checks a checkpoint's files without loading them (meta.json,
+the DCP ``.metadata``, every ``.distcp`` at least as long as the metadata says, every
+``extra_rank*.pt`` a complete archive); a damaged one is refused with the file, what is wrong and
+the newest intact checkpoint to resume from instead. A save that fails (a full disk, for one)
+removes its partial ``.tmp`` folder and says so; the previous checkpoint and ``latest`` stay.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -36,6 +43,7 @@ import random
 import shutil
 import time
 import warnings
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -44,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 log = logging.getLogger(__name__)
@@ -176,12 +185,17 @@ class Checkpointer:
         _barrier()
 
         state = _model_state(models)
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
         extra = {name: obj.state_dict() for name, obj in states.items()}
-        torch.save(extra, tmp / f"extra_rank{_rank()}.pt")
-        _barrier()
+        error: BaseException | None = None
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
+            torch.save(extra, tmp / f"extra_rank{_rank()}.pt")
+        except (Exception, CheckpointException) as e:  # a full disk, for one
+            error = e
+        if not _all_ranks_ok(error is None):
+            self._failed_save(step, tmp, error)
 
         if _rank() == 0:
             info = {
@@ -204,6 +218,33 @@ class Checkpointer:
             self._prune()
         _barrier()
         return final
+
+    def _failed_save(self, step: int, tmp: Path, error: BaseException | None) -> None:
+        """Remove the partial checkpoint (rank 0) and raise a message that says why, where, and
+        that the previous checkpoint is intact."""
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        latest = self.ckpt_dir / LATEST
+        previous = latest.read_text().strip() if latest.is_file() else None
+        kept = (
+            f"the previous checkpoint {self.ckpt_dir / previous} is intact (resume_from=latest)"
+            if previous
+            else "no earlier checkpoint exists"
+        )
+        where = f"checkpoint {step_dir_name(step)} could not be written to {self.ckpt_dir}"
+        fix = ""
+        if error is None:
+            why = "another rank failed to write its part"
+        elif _disk_full(error):
+            free = shutil.disk_usage(self.ckpt_dir).free / 2**20
+            why = f"no space left on device ({free:.1f} MiB free)"
+            fix = "; free some space or set checkpoint.dir to another disk"
+        else:
+            why = f"{type(error).__name__}: {_last_line(error)}"
+        raise OSError(
+            f"{where}: {why}; the partial checkpoint was removed and {kept}{fix}"
+        ) from error
 
     def _prune(self) -> None:
         """Delete the oldest complete checkpoints beyond ``keep_last``, by step; never the one
@@ -256,7 +297,7 @@ class Checkpointer:
         Every name in ``states`` must be in the checkpoint. Returns the contents of meta.json.
         """
         path = Path(path)
-        meta = json.loads((path / "meta.json").read_text())
+        meta = read_meta(path) or self.verify(path)  # a damaged meta.json: say which
         found = meta.get("format", 1)
         if found != CHECKPOINT_FORMAT:
             raise ValueError(
@@ -269,6 +310,7 @@ class Checkpointer:
                 f"checkpoint {path} was written by {meta['world_size']} ranks but this run has "
                 f"{_world_size()}; resume with --nproc-per-node {meta['world_size']}"
             )
+        self.verify(path)  # every file complete, before any is read
         state = _model_state(models)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -292,8 +334,162 @@ class Checkpointer:
             )
         for name, obj in states.items():
             obj.load_state_dict(extra[name])
+            _warn_if_schedule_changed(name, obj, meta["step"])
         log.info("loaded checkpoint %s (step %d)", path, meta["step"])
         return meta
+
+    def verify(self, path: str | os.PathLike) -> dict[str, Any]:
+        """:func:`verify_checkpoint`, and when ``path`` is damaged, a message that also names the
+        newest intact checkpoint of ``ckpt_dir`` to resume from instead. Returns meta.json."""
+        path = Path(path)
+        try:
+            return verify_checkpoint(path)
+        except CorruptCheckpointError as e:
+            intact = self.newest_intact(exclude=path)
+            hint = (
+                f"resume from the previous intact checkpoint with resume_from={intact}"
+                if intact is not None
+                else "no intact checkpoint is left: start anew with resume_from=null "
+                "overwrite_output_dir=true"
+            )
+            raise CorruptCheckpointError(f"{e}; {hint}") from None
+
+    def newest_intact(self, exclude: Path | None = None) -> Path | None:
+        """The complete ``step_*`` checkpoint with the highest step that passes
+        :func:`verify_checkpoint` (None when there is none)."""
+        done = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir() and p.suffix == "")
+        for p in reversed(done):
+            if exclude is not None and p.resolve() == Path(exclude).resolve():
+                continue
+            try:
+                verify_checkpoint(p)
+            except CorruptCheckpointError:
+                continue
+            return p
+        return None
+
+
+def read_meta(path: Path) -> dict[str, Any] | None:
+    """meta.json of checkpoint ``path`` (None when missing or unreadable)."""
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        return meta if isinstance(meta, dict) and "world_size" in meta and "step" in meta else None
+    except (OSError, ValueError):
+        return None
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file is missing, truncated or corrupt (the message names it)."""
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Check the files of checkpoint ``path`` without loading any tensor; return its meta.json.
+
+    Raises CorruptCheckpointError naming the file: meta.json missing or not JSON, the DCP
+    ``.metadata`` unreadable, a ``.distcp`` shorter than its metadata says, an
+    ``extra_rank<r>.pt`` of one of the ``world_size`` ranks missing or not a complete archive.
+    """
+    path = Path(path)
+
+    def bad(file: str, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"checkpoint {path}: {file} is {what}")
+
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        step, world_size = int(meta["step"]), int(meta["world_size"])
+    except FileNotFoundError:
+        raise bad("meta.json", "missing (the save did not finish)") from None
+    except (ValueError, KeyError, TypeError):
+        raise bad("meta.json", "corrupt or truncated") from None
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except FileNotFoundError:
+        raise bad(".metadata", "missing") from None
+    except Exception:  # a truncated pickle raises any of several types
+        raise bad(".metadata", "corrupt or truncated") from None
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        file = path / name
+        if not file.is_file():
+            raise bad(name, "missing")
+        if file.stat().st_size < size:
+            raise bad(name, f"truncated ({file.stat().st_size} of {size} bytes)")
+    for rank in range(world_size):
+        name = f"extra_rank{rank}.pt"
+        if not (path / name).is_file():
+            raise bad(name, "missing")
+        if not _complete_zip(path / name):
+            raise bad(name, "corrupt or truncated")
+    meta["step"] = step
+    return meta
+
+
+def _complete_zip(file: Path) -> bool:
+    """Whether ``file`` (torch.save's zip format) is a whole archive: its central directory reads
+    and every member lies within the file (no data is read)."""
+    size = file.stat().st_size
+    try:
+        with zipfile.ZipFile(file) as z:
+            return all(i.header_offset + i.compress_size <= size for i in z.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+
+
+def _all_ranks_ok(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (a barrier that also carries one flag)."""
+    if not _dist():
+        return ok
+    flag = torch.tensor([0.0 if ok else 1.0])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return float(flag.item()) == 0.0
+
+
+def _last_line(error: BaseException) -> str:
+    """The gist of an error whose text may hold tracebacks (DCP's CheckpointException)."""
+    lines = [x.strip() for x in str(error).splitlines() if x.strip()]
+    return lines[-1] if lines else ""
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) is the disk running full: ENOSPC / EDQUOT, or torch's
+    archive writer finding fewer bytes written than it wrote ("unexpected pos")."""
+    e: BaseException | None = error
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "No space left on device" in text or "unexpected pos" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _warn_if_schedule_changed(name: str, obj: Any, step: int) -> None:
+    """A LambdaLR schedule (``warmup_cosine``) is rebuilt from the config on resume, its position
+    restored: if the config's horizon changed (a larger ``total_steps``), the lr jumps. Say so."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    if not isinstance(obj, LambdaLR):
+        return
+    saved = obj.get_last_lr()
+    now = [base * fn(obj.last_epoch) for fn, base in zip(obj.lr_lambdas, obj.base_lrs)]
+    if any(abs(a - b) > 1e-9 * max(abs(a), abs(b)) for a, b in zip(saved, now)):
+        log.warning(
+            "resumed at step %d: the %s of this config gives lr %.3g where the checkpoint's run "
+            "had %.3g (lr_scheduler changed, e.g. a larger total_steps: the schedule follows the "
+            "new horizon from here); to keep the old schedule set lr_scheduler.total_steps to the "
+            "old value",
+            step,
+            name,
+            now[0],
+            saved[0],
+        )
 
 
 def _model_state(models: dict) -> dict[str, Any]:

@@ -24,6 +24,7 @@ In a config::
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -90,7 +91,8 @@ class JsonlLogger:
     Resuming: the first ``log(metrics, step=s)`` keeps the rows of an existing file with a step
     below ``s`` and drops the others. A fresh run (first step 0) therefore starts the file anew,
     and a run resumed at step ``s`` continues it without duplicating the rows that the interrupted
-    run logged after its last checkpoint; a last line that a crash cut short is dropped too.
+    run logged after its last checkpoint. A partial last line (a run killed while writing it) is
+    dropped with a warning; a damaged line elsewhere is an error naming the file and the line.
 
     Args:
         path: the .jsonl file.
@@ -105,10 +107,9 @@ class JsonlLogger:
     def _open(self, first_step: int) -> IO[str]:
         kept = []
         if self.path.is_file():
-            with open(self.path, encoding="utf-8") as f:
-                # a last line without its newline is a write cut short by a crash: dropped
-                lines = [line for line in f if line.endswith("\n") and line.strip()]
-            kept = [line for line in lines if json.loads(line)["step"] < first_step]
+            for line, row in _rows(self.path):
+                if row["step"] < first_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)
@@ -139,14 +140,34 @@ class JsonlLogger:
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, float]]:
     """The rows a :class:`JsonlLogger` wrote, with "nan"/"inf" strings turned back into floats."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
+    return [
+        {k: float(v) if isinstance(v, str) else v for k, v in row.items()} for _, row in _rows(path)
+    ]
+
+
+def _rows(path: str | os.PathLike) -> list[tuple[str, dict[str, Any]]]:
+    """(line, row) of a metrics file; a partial last line (a run killed mid-write) is dropped
+    with a warning, a damaged line elsewhere raises ValueError naming it."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
             row = json.loads(line)
-            rows.append({k: float(v) if isinstance(v, str) else v for k, v in row.items()})
-    return rows
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError("not a metrics row")
+        except ValueError:
+            if i == len(lines) - 1:
+                logging.getLogger(__name__).warning(
+                    "%s: dropped its partial last line (a run stopped while writing it)", path
+                )
+                break
+            raise ValueError(
+                f"{path}: line {i + 1} is not a metrics row (damaged file); delete the line or "
+                "the file"
+            ) from None
+        out.append((line, row))
+    return out
 
 
 class StdoutLogger:

@@ -39,6 +39,7 @@ Usage (the recipe's whole interface)::
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -63,6 +64,11 @@ _SEED_STRIDE = 1_000_003
 
 class PromptsExhausted(RuntimeError):
     """Raised by ``get_batch`` when the prompt source ran out before the requested batch."""
+
+
+class RewardError(ValueError):
+    """The reward function failed, or returned NaN, infinity or something that is not a number,
+    for one sample (the message names the function and the prompt)."""
 
 
 @dataclass
@@ -195,6 +201,9 @@ class RolloutQueue:
         partial_rollout:    continue in-flight requests under new weights on ``publish``.
         reward_fn:          optional ``reward_fn(sample: RolloutSample) -> float``, run in the
                             background thread; without it rewards are zeros for the trainer to fill.
+                            An exception, or a value that is not a finite number, stops the run
+                            with a :class:`RewardError` naming the function and the prompt.
+        reward_name:        the reward's name in those messages (default: ``reward_fn``'s).
         decode:             optional ``decode(token_ids) -> str`` (a tokenizer's decode) to fill
                             ``RolloutSample.text``.
         pad_id:             padding token id of the batch tensors.
@@ -213,6 +222,7 @@ class RolloutQueue:
         max_staleness: int = 0,
         partial_rollout: bool = False,
         reward_fn: Callable[[RolloutSample], float] | None = None,
+        reward_name: str | None = None,
         decode: Callable[[list[int]], str] | None = None,
         pad_id: int = 0,
         seed: int = 0,
@@ -236,6 +246,7 @@ class RolloutQueue:
         self.max_staleness = max_staleness
         self.partial_rollout = bool(partial_rollout)
         self.reward_fn = reward_fn
+        self.reward_name = reward_name or getattr(reward_fn, "__qualname__", repr(reward_fn))
         self.decode = decode
         self.pad_id = pad_id
         self.seed = int(seed)
@@ -259,6 +270,7 @@ class RolloutQueue:
         self._drain_wait_s = 0.0
         self._tokens_generated = 0
         self._gen_time_s = 0.0
+        self._delivered = (0, 0.0)  # tokens and generation seconds of the batches handed out
 
     # ------------------------------------------------------------------ trainer API
     def start(self) -> None:
@@ -301,6 +313,11 @@ class RolloutQueue:
             self._wait_ready(step, None if timeout is None else t0 + timeout)
             out = self._ready.pop(step)
             self._next_step = step + 1
+            tokens, gen_s = self._delivered
+            self._delivered = (
+                tokens + int(out.metrics["rollout/tokens"]),
+                gen_s + out.metrics["rollout/gen_time_s"],
+            )
             self._cond.notify_all()
         versions = out.batch.versions
         real = versions[versions >= 0]
@@ -399,11 +416,19 @@ class RolloutQueue:
             if self._thread is not None and self._exhausted_at != self._next_step:
                 self._wait_ready(self._next_step, None)
                 ahead = self._ready[self._next_step]
+        # counters of the batches a resumed run will not generate again: the ones handed out
+        # and the one ahead (not a later one that may already be generated meanwhile)
+        tokens, gen_s = self._delivered
+        if ahead is not None:
+            tokens += int(ahead.metrics["rollout/tokens"])
+            gen_s += ahead.metrics["rollout/gen_time_s"]
         return {
             "next_step": self._next_step,
             "prompts_consumed": self._next_step * self.groups_per_batch,
             "seed": self.seed,
             "batch_ahead": ahead,
+            "tokens_total": tokens,  # the cumulative counters continue on resume
+            "gen_time_s": gen_s,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -418,6 +443,15 @@ class RolloutQueue:
             )
         self._next_step = int(state["next_step"])
         self.seed = int(state["seed"])
+        self._tokens_generated = int(state.get("tokens_total", 0))
+        self._gen_time_s = float(state.get("gen_time_s", 0.0))
+        self._delivered = (self._tokens_generated, self._gen_time_s)
+        if state["batch_ahead"] is not None:  # counted again when it is handed out
+            m = state["batch_ahead"].metrics
+            self._delivered = (
+                self._tokens_generated - int(m["rollout/tokens"]),
+                self._gen_time_s - m["rollout/gen_time_s"],
+            )
         self._ready.clear()
         if state["batch_ahead"] is not None:
             self._ready[self._next_step] = state["batch_ahead"]
@@ -444,6 +478,30 @@ class RolloutQueue:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _reward(self, sample: RolloutSample) -> float:
+        """``reward_fn(sample)`` as a float; a RewardError naming the reward and the prompt when
+        it raises or returns NaN, infinity or a non-number."""
+        where = _describe_prompt(sample)
+        try:
+            value = self.reward_fn(sample)
+        except Exception as e:
+            raise RewardError(
+                f"reward {self.reward_name} raised {type(e).__name__} ({e}) for {where}"
+            ) from e
+        if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+            value = value.item()  # a 0-dim tensor or a numpy scalar
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise RewardError(
+                f"reward {self.reward_name} returned {value!r} (a {type(value).__name__}) for "
+                f"{where}; a reward must return a number"
+            )
+        if not math.isfinite(value):
+            raise RewardError(
+                f"reward {self.reward_name} returned {value} for {where}; a reward must be "
+                "finite (this is the reward, not the loss: check the reward function)"
+            )
+        return float(value)
 
     # ------------------------------------------------------------------ producer
     def _produce(self) -> None:
@@ -542,7 +600,7 @@ class RolloutQueue:
                 sample_index=first + i,
             )
             if self.reward_fn is not None:
-                sample.reward = float(self.reward_fn(sample))
+                sample.reward = self._reward(sample)
             samples.append(sample)
         rewards = [s.reward for s in samples] if self.reward_fn is not None else None
         batch = collate_completions(completions, owners, rewards, pad_id=self.pad_id)
@@ -565,6 +623,19 @@ class RolloutQueue:
         if rewards is not None:
             metrics["rollout/reward_mean"] = float(batch.rewards.mean())
         return QueueBatch(step=slot, batch=batch, samples=samples, metrics=metrics)
+
+
+def _describe_prompt(sample: RolloutSample) -> str:
+    """``prompt 12 ('3012=')``: the prompt's dataset index (if it has one) and text, shortened."""
+    item = sample.prompt
+    index = getattr(item, "index", None)
+    text = getattr(item, "prompt", None)
+    text = text if isinstance(text, str) else None
+    head = f"prompt {index}" if index is not None else f"sample {sample.sample_index}"
+    if text is not None:
+        short = text if len(text) <= 60 else text[:57] + "..."
+        head += f" ({short!r})"
+    return f"{head}, completion {(sample.text or '')[:60]!r}"
 
 
 _END = object()

@@ -266,9 +266,9 @@ def test_bad_configs_fail_before_anything_is_built(tmp_path):
         "ppo.minibatches=3": "must be divisible by ppo.minibatches (3); pick ppo.minibatches among",
         "ppo.micro_batch_size=7": "divisible by ppo.micro_batch_size (7)",
         "advantage_estimator=vtrace": "must be one of ['gae', 'grpo'], got 'vtrace'",
-        "kl.mode=both": "kl.mode ('both') 'reward' or 'loss'",
+        "kl.mode=both": "kl.mode must be one of ['loss', 'reward'], got 'both'",
         "critic.warmup_steps=99": "critic.warmup_steps (99) must be in [0, total_steps (60))",
-        "ppo.score_micro_batch_size=0": "ppo.score_micro_batch_size must be >= 1 or null, got 0",
+        "ppo.score_micro_batch_size=0": "score_micro_batch_size must be an integer >= 1 or null, got 0",
         "dtype=bf16": "run `minippo run --nproc-per-node 1 async_ppo ...`, or set dtype=fp32",
         "kl.coef=0.1 kl.mode=loss kl.estimator=k1": "set kl.estimator=k2",
     }

@@ -109,10 +109,12 @@ def test_failed_save_leaves_previous_checkpoint_usable(tmp_path):
     ckpt.save(1, models={"actor": (model, optim)}, states={"n": _Box(1)})
     saved = _params(model)
     _train_one_step(model, optim, 3)
-    # the model shards are written, then writing the extra state fails half-way
-    with pytest.raises(RuntimeError, match="disk full"):
+    # the model shards are written, then writing the extra state fails half-way: the partial
+    # checkpoint is removed and the message says the previous one is intact
+    with pytest.raises(OSError, match="disk full") as e:
         ckpt.save(2, models={"actor": (model, optim)}, states={"bad": _Box(_Unpicklable())})
-    assert (tmp_path / "step_000002.tmp").exists()
+    assert f"the previous checkpoint {tmp_path / 'step_000001'} is intact" in str(e.value)
+    assert not (tmp_path / "step_000002.tmp").exists()
     assert not (tmp_path / "step_000002").exists()
     assert (tmp_path / "latest").read_text().strip() == "step_000001"
 
@@ -122,7 +124,7 @@ def test_failed_save_leaves_previous_checkpoint_usable(tmp_path):
     assert meta["step"] == 1 and n.value == 1
     for k, v in saved.items():
         torch.testing.assert_close(model2.state_dict()[k], v, rtol=0, atol=0)
-    # the next save of that step cleans the half-written folder and succeeds
+    # the next save of that step succeeds
     ckpt.save(2, models={"actor": (model, optim)}, states={"n": _Box(2)})
     assert not (tmp_path / "step_000002.tmp").exists()
     assert ckpt.resolve("latest").name == "step_000002"

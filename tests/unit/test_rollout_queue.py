@@ -332,11 +332,16 @@ def test_resume_reproduces_the_uninterrupted_sequence():
     state = q.state_dict()  # waits for the batch of step 2 and saves it (generated ahead)
     q.close()
     ahead = state.pop("batch_ahead")
+    tokens = state.pop("tokens_total")  # the cumulative counters continue after a resume
+    assert tokens == sum(int(full[s].batch.response_mask.sum()) for s in range(3))
+    assert state.pop("gen_time_s") > 0
     assert state == {"next_step": 2, "prompts_consumed": 4, "seed": 5}
     assert ahead.step == 2 and torch.equal(ahead.batch.input_ids, full[2].batch.input_ids)
     state["batch_ahead"] = ahead
+    state["tokens_total"] = tokens
     q2 = make(version=2)
     q2.load_state_dict(state)
+    assert q2.metrics()["rollout/tokens_total"] == tokens
     q2.start()
     for step in (2, 3, 4):
         qb = q2.get_batch(step, timeout=10)

@@ -1,0 +1,349 @@
+"""Checks of a run's config and inputs before anything is built or written.
+
+``minippo run`` (in the launcher, before torchrun starts a rank, and again in each recipe's
+``__init__``) and ``minippo validate`` run the same checks, so they agree, and each reports every
+problem it finds at once, one line each, naming the key or the file and the fix:
+
+* :func:`config_problems`: the keys, types and ranges the recipe declares
+  (:data:`ASYNC_PPO_SCHEMA`; unknown keys, from a YAML file as from the command line, get the
+  closest declared keys), every ``_component_`` imported and bound to its signature, and the
+  behaviour-policy correction contract. The recipe's ``validate_config`` adds its shape checks.
+* :func:`input_problems`: the files: ``output_dir`` and the paths under it, ``checkpoint_path``
+  (config.json and every safetensors file complete), the dataset's local files (present,
+  non-empty, in their format), the tokenizer against the model's vocabulary, and the checkpoint
+  ``resume_from`` names (intact, same number of ranks, before ``total_steps``).
+
+Nothing here builds a model, an engine or a dataset, creates a process group or writes a file.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from minippo.config import ConfigError, instantiate, validate
+from minippo.config.schema import (
+    Anything,
+    Bool,
+    Component,
+    Dtype,
+    Float,
+    Int,
+    Section,
+    Spec,
+    Str,
+    check_schema,
+)
+
+log = logging.getLogger(__name__)
+
+# What recipes/async_ppo.py reads. Component nodes list only the arguments checked for a range;
+# the others are bound to the callable's signature. Keys: docs/configs.md.
+ASYNC_PPO_SCHEMA: dict[str, Spec] = {
+    "output_dir": Str(),
+    "overwrite_output_dir": Bool(optional=True),
+    "seed": Int(min=0),
+    "total_steps": Int(min=1),
+    "dtype": Dtype(),
+    "activation_checkpointing": Bool(),
+    "publish_bucket_mb": Float(gt=0),
+    "cpu_threads": Int(min=1, null=True),
+    "checkpoint_path": Str(null=True),
+    "model": Component(null=True),
+    "tokenizer": Component(),
+    "dataset": Component({"num_examples": Int(min=1, null=True)}),
+    "reward": Component(),
+    "engine": Component({"dtype": Dtype(), "max_batch_size": Int(min=1)}),
+    "rollout": Section(
+        {
+            "max_staleness": Int(min=0),
+            "partial_rollout": Bool(),
+            "groups_per_batch": Int(min=1),
+            "samples_per_prompt": Int(min=1),
+            "temperature": Float(min=0),
+            "top_p": Float(gt=0, max=1),
+            "top_k": Int(min=0),
+            "max_new_tokens": Int(min=1),
+            "stop_at_eos": Bool(),
+        }
+    ),
+    "correction": Component(null=True, optional=True),
+    "advantage_estimator": Str(("gae", "grpo")),
+    "gae": Section(
+        {"gamma": Float(min=0, max=1), "lam": Float(min=0, max=1), "bootstrap_truncated": Bool()}
+    ),
+    "grpo": Section({"normalize_std": Bool()}),
+    "ppo": Section(
+        {
+            "epochs": Int(min=1),
+            "minibatches": Int(min=1),
+            "micro_batch_size": Int(min=1),
+            "score_micro_batch_size": Int(min=1, null=True),
+            "clip_low": Float(min=0, lt=1),
+            "clip_high": Float(min=0),
+            "dual_clip": Float(gt=1, null=True),
+            "value_clip": Float(gt=0, null=True),
+            "loss_agg_mode": Str(("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")),
+            "max_grad_norm": Float(gt=0),
+            "whiten_advantages": Bool(),
+        }
+    ),
+    "kl": Section(
+        {
+            "coef": Float(min=0),
+            "mode": Str(("reward", "loss")),
+            "estimator": Str(("k1", "k2", "k3")),
+        }
+    ),
+    "critic": Section(
+        {
+            "warmup_steps": Int(min=0),
+            "checkpoint_path": Str(null=True),
+            "optimizer": Component({"lr": Float(gt=0)}),
+        }
+    ),
+    "optimizer": Component({"lr": Float(gt=0)}),
+    "lr_scheduler": Component({"warmup_steps": Int(min=0), "total_steps": Int(min=1, null=True)}),
+    "max_consecutive_nonfinite": Int(min=1),
+    "checkpoint": Section(
+        {
+            "dir": Str(),
+            "every_n_steps": Int(min=1),
+            "keep_last": Int(min=1, null=True),
+            "export_hf": Bool(),
+        }
+    ),
+    "resume_from": Str(null=True),
+    "metric_logger": Component(),
+    "log_every_n_steps": Int(min=1),
+    "progress_bar": Bool(),
+    # read by `minippo plan` only
+    "nproc_per_node": Int(min=1, optional=True),
+    "device": Anything(optional=True),
+}
+
+_FILE_FORMATS = ("json", "jsonl", "parquet", "csv", "text", "arrow")
+
+
+def raise_problems(problems: list[str]) -> None:
+    """Raise one ConfigError listing ``problems`` (nothing when the list is empty)."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        text = "\n  ".join(problems)
+        raise ConfigError(f"{len(problems)} problems in the config:\n  {text}", problems)
+
+
+def config_problems(cfg: DictConfig, schema: dict[str, Spec]) -> list[str]:
+    """Keys, types and ranges (``schema``), every ``_component_`` (imports, signature) and, for a
+    config with a ``rollout`` section, the correction contract; one line per problem."""
+    problems = check_schema(cfg, schema)
+    problems += [p for p in validate(cfg) if p not in problems]
+    if not problems and "rollout" in cfg:  # the contract reads well-typed rollout keys
+        from minippo.rl.correction import validate_async_off_policy_correction
+
+        try:
+            validate_async_off_policy_correction(cfg)
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+def check_inputs(cfg: DictConfig, world_size: int = 1) -> None:
+    """Raise one ConfigError with every problem of :func:`input_problems`."""
+    raise_problems(input_problems(cfg, world_size))
+
+
+def input_problems(cfg: DictConfig, world_size: int = 1) -> list[str]:
+    """Every problem with the files a run reads or writes (see the module docstring); keys the
+    config does not have are skipped."""
+    problems: list[str] = []
+    problems += _output_problems(cfg)
+    args = None
+    for key in ("checkpoint_path", "critic.checkpoint_path"):
+        path = _get(cfg, key)
+        if key.startswith("critic") and (path is None or path == _get(cfg, "checkpoint_path")):
+            continue
+        if path is not None:
+            try:
+                from minippo.models.hf_checkpoint import check_hf_folder
+
+                found = check_hf_folder(path)
+                args = found if key == "checkpoint_path" else args
+            except (OSError, ValueError) as e:
+                problems.append(f"{key}={path}: {e}")
+    if _get(cfg, "checkpoint_path") is None and "model" in cfg and cfg.model is None:
+        problems.append(
+            "checkpoint_path and model are both null: set checkpoint_path to an HF folder, or "
+            "model to a size builder (e.g. model._component_=minippo.models.qwen3_tiny)"
+        )
+    problems += _dataset_problems(cfg)
+    if not problems:
+        problems += _vocab_problems(cfg, args)
+    problems += _resume_problems(cfg, world_size)
+    return problems
+
+
+def warn_if_prompts_cycle(num_prompts: int, groups_per_batch: int) -> None:
+    """Say that a batch repeats prompts when the dataset has fewer than a batch needs."""
+    if num_prompts < groups_per_batch:
+        log.warning(
+            "the dataset has %d prompts, fewer than rollout.groups_per_batch=%d: the prompt "
+            "stream cycles through it (reshuffled each epoch), so every batch repeats prompts",
+            num_prompts,
+            groups_per_batch,
+        )
+
+
+def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _output_problems(cfg: DictConfig) -> list[str]:
+    problems = []
+    out = _get(cfg, "output_dir")
+    if isinstance(out, str):
+        path = Path(out).expanduser()
+        if path.exists() and not path.is_dir():
+            problems.append(f"output_dir={out} is a file, not a folder; choose another output_dir")
+        elif not path.exists() and _first_existing(path).is_file():
+            problems.append(
+                f"output_dir={out} lies under the file {_first_existing(path)}; choose another "
+                "output_dir"
+            )
+    ckpt = _get(cfg, "checkpoint.dir")
+    if isinstance(ckpt, str) and Path(ckpt).expanduser().is_file():
+        problems.append(f"checkpoint.dir={ckpt} is a file, not a folder; choose another folder")
+    metrics = _get(cfg, "metric_logger.path")
+    if isinstance(metrics, str) and Path(metrics).expanduser().is_dir():
+        problems.append(
+            f"metric_logger.path={metrics} is a folder; give a file path (e.g. "
+            f"{Path(metrics) / 'metrics.jsonl'})"
+        )
+    return problems
+
+
+def _first_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _dataset_problems(cfg: DictConfig) -> list[str]:
+    node = _get(cfg, "dataset")
+    if not isinstance(node, DictConfig) or node.get("data_files") is None:
+        return []
+    source = node.get("source")
+    if source not in _FILE_FORMATS:
+        return []
+    files = node.data_files
+    files = [files] if isinstance(files, str) else list(files)
+    problems = []
+    for pattern in files:
+        matches = sorted(glob.glob(os.path.expanduser(str(pattern))))
+        if not matches:
+            problems.append(
+                f"dataset.data_files: {pattern} does not exist; give the path of a {source} file"
+            )
+        for file in matches:
+            why = _data_file_problem(Path(file), source)
+            if why:
+                problems.append(f"dataset.data_files: {file} {why}")
+    return problems
+
+
+def _data_file_problem(file: Path, source: str) -> str | None:
+    """What is wrong with a local data file of format ``source``, or None."""
+    if file.is_dir():
+        return "is a folder; give the data files themselves (a glob such as dir/*.parquet works)"
+    size = file.stat().st_size
+    if size == 0:
+        return "is empty: it has no rows"
+    if source == "parquet":
+        with open(file, "rb") as f:
+            head = f.read(4)
+            f.seek(max(0, size - 4))
+            tail = f.read(4)
+        if head != b"PAR1" or tail != b"PAR1":
+            return "is not a complete parquet file (corrupt or truncated)"
+    if source in ("json", "jsonl"):
+        with open(file, encoding="utf-8", errors="replace") as f:
+            first = next((line for line in f if line.strip()), "")
+        if not first.strip():
+            return "is empty: it has no rows"
+        try:
+            json.loads(first)
+        except json.JSONDecodeError as e:
+            if first.lstrip()[:1] not in "[{" or size > 256 * 2**20:
+                return f"is not JSON lines (line 1: {e.msg}); each line must be one JSON object"
+            try:  # one JSON document over several lines
+                json.loads(file.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e2:
+                return f"is neither JSON lines nor a JSON document ({e2}); corrupt or truncated?"
+    return None
+
+
+def _vocab_problems(cfg: DictConfig, args: Any) -> list[str]:
+    """The tokenizer against the model's vocabulary (both are cheap to build)."""
+    if "tokenizer" not in cfg or not isinstance(cfg.tokenizer, DictConfig):
+        return []
+    try:
+        if args is None:
+            if _get(cfg, "model") is None:
+                return []
+            args = instantiate(cfg.model)
+        tokenizer = instantiate(cfg.tokenizer)
+    except (OSError, ValueError, TypeError) as e:
+        return [f"cannot build the tokenizer or the model config: {e}"]
+    model_v, tok_v = int(args.vocab_size), int(tokenizer.vocab_size)
+    if model_v < tok_v:
+        return [
+            f"the model's vocab_size ({model_v}) is smaller than the tokenizer's ({tok_v}): the "
+            f"tokenizer's ids would not fit the embedding; set model.vocab_size={tok_v}"
+        ]
+    if model_v > tok_v and _get(cfg, "checkpoint_path") is None:
+        return [
+            f"the model's vocab_size ({model_v}) is larger than the tokenizer's ({tok_v}): a "
+            f"randomly initialised model samples ids the tokenizer cannot decode; set "
+            f"model.vocab_size={tok_v}"
+        ]
+    return []
+
+
+def _resume_problems(cfg: DictConfig, world_size: int) -> list[str]:
+    resume = _get(cfg, "resume_from")
+    if resume in (None, "", "null") or _get(cfg, "checkpoint.dir") is None:
+        return []
+    from minippo.training.checkpoint import Checkpointer, read_meta
+
+    checkpointer = Checkpointer(Path(cfg.checkpoint.dir).expanduser())
+    try:
+        path = checkpointer.resolve(resume)
+        meta = read_meta(path) or checkpointer.verify(path)
+        if meta["world_size"] != world_size:
+            return [
+                f"checkpoint {path} was written by {meta['world_size']} ranks but this run has "
+                f"{world_size}; resume with --nproc-per-node {meta['world_size']}"
+            ]
+        meta = checkpointer.verify(path)
+    except (OSError, ValueError) as e:
+        return [str(e)]
+    problems = []
+    total = _get(cfg, "total_steps")
+    if isinstance(total, int) and meta["step"] >= total:
+        problems.append(
+            f"checkpoint {path} is at step {meta['step']}, but total_steps is {total}; raise "
+            "total_steps to continue training"
+        )
+    return problems

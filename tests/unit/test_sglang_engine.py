@@ -49,6 +49,7 @@ import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -158,6 +159,9 @@ class FakeSerializer:
         return FakeSerializer.payloads.pop(data)
 
 
+SERIALIZER: Any = FakeSerializer  # what the scheduler deserialises payloads with
+
+
 def monkey_patch_torch_reductions():
     """Idempotent and process-wide, as SGLang's: the first application is recorded."""
     if not FakeSerializer.patched and FakeEngine.instances:
@@ -198,7 +202,7 @@ class FakeTokenizerManager:
         self.session = False
 
     async def pause_generation(self, obj):
-        assert isinstance(obj, PauseGenerationReqInput)
+        self.e.seen(obj, "PauseGenerationReqInput")
         e = self.e
         await e.alive("pause_generation")
         counts = {r.rid: len(r.out) for r in e.live.values() if r.dispatched}
@@ -211,7 +215,7 @@ class FakeTokenizerManager:
                     r.retracted = True
 
     async def continue_generation(self, obj):
-        assert isinstance(obj, ContinueGenerationReqInput)
+        self.e.seen(obj, "ContinueGenerationReqInput")
         await self.e.alive()
         self.e.log.append(("continue_generation", obj.torch_empty_cache))
         self.is_pause = False
@@ -231,7 +235,7 @@ class FakeTokenizerManager:
                     r.abort = True
 
     async def begin_weight_update(self, obj, request=None):
-        assert isinstance(obj, BeginWeightUpdateReqInput)
+        self.e.seen(obj, "BeginWeightUpdateReqInput")
         await self.e.alive()
         self.e.log.append(("begin_weight_update",))
         if self.session:
@@ -240,7 +244,7 @@ class FakeTokenizerManager:
         return True, "Success"
 
     async def end_weight_update(self, obj, request=None):
-        assert isinstance(obj, EndWeightUpdateReqInput)
+        self.e.seen(obj, "EndWeightUpdateReqInput")
         await self.e.alive()
         self.e.log.append(("end_weight_update",))
         if not self.session:
@@ -249,13 +253,16 @@ class FakeTokenizerManager:
         return True, "Success"
 
     async def update_weights_from_tensor(self, obj, request=None):
-        assert isinstance(obj, UpdateWeightsFromTensorReqInput)
+        self.e.seen(obj, "UpdateWeightsFromTensorReqInput")
         e = self.e
         await e.alive()
         if not self.is_pause:  # the model_update_lock writer: waits for running requests
             await e.wait_until(lambda: not e.live)
         (payload,) = obj.serialized_named_tensors  # one per TP rank
-        named, patched = FakeSerializer.deserialize(payload)
+        if SERIALIZER is FakeSerializer:
+            named, patched = FakeSerializer.deserialize(payload)
+        else:  # SGLang's own (SafeUnpickler); CPU tensors cannot carry the CUDA-only patch
+            named, patched = SERIALIZER.deserialize(payload), FakeSerializer.patched
         e.log.append(
             (
                 "update_weights_from_tensor",
@@ -299,7 +306,7 @@ class FakeTokenizerManager:
         return FlushCacheReqOutput(success=ok)
 
     async def update_weight_version(self, obj):
-        assert isinstance(obj, UpdateWeightVersionReqInput)
+        self.e.seen(obj, "UpdateWeightVersionReqInput")
         e = self.e
         await e.alive()
         e.log.append(("update_weight_version", obj.new_version, obj.abort_all_requests))
@@ -311,6 +318,7 @@ class FakeTokenizerManager:
 
     async def release_memory_occupation(self, obj, request=None):
         e = self.e
+        e.seen(obj, "ReleaseMemoryOccupationReqInput")
         await e.alive()
         e.log.append(("release_memory_occupation", obj.tags))
         if not e.fully_idle():
@@ -325,6 +333,7 @@ class FakeTokenizerManager:
 
     async def resume_memory_occupation(self, obj, request=None):
         e = self.e
+        e.seen(obj, "ResumeMemoryOccupationReqInput")
         await e.alive()
         e.log.append(("resume_memory_occupation", obj.tags))
         if e.fatal_on == "resume_memory_occupation":
@@ -378,9 +387,17 @@ class FakeEngine:
         self.oom_at_step: int | None = None  # inject an engine OOM at this decode step
         self.hang_on: set[str] = set()  # tokenizer-manager calls that never answer
         self.sampling: dict[str, dict] = {}  # rid -> the sampling params received
+        self.api = CURRENT_API[0]
+        self.structs: set[str] = set()
         self.steps = 0
         self.warnings: list[str] = []
         FakeEngine.instances.append(self)
+
+    def seen(self, obj, kind: str) -> None:
+        """The request struct a call received must be SGLang's ``kind`` (stand-in or real)."""
+        assert type(obj).__name__ == kind, f"expected {kind}, got {type(obj)}"
+        assert type(obj) is getattr(self.api, kind), f"{kind} is not the api's class"
+        self.structs.add(f"{type(obj).__module__}.{kind}")
 
     async def die(self, reason: str):
         """A scheduler exception: log it, SIGQUIT the parent (this process), never answer again."""
@@ -522,7 +539,15 @@ class FakeEngine:
         self.closed = True
 
 
+CURRENT_API: list[SimpleNamespace] = []  # the api the backend loaded last (for FakeEngine)
+
+
 def fake_api() -> SimpleNamespace:
+    CURRENT_API[:] = [_fake_api()]
+    return CURRENT_API[0]
+
+
+def _fake_api() -> SimpleNamespace:
     return SimpleNamespace(
         Engine=FakeEngine,
         MultiprocessingSerializer=FakeSerializer,
@@ -1087,11 +1112,14 @@ def test_a_publish_must_cover_every_weight(fake, model_path):
 # Fatal engine errors are process death: scenarios run in a child process
 
 
-def _scenario_engine(**kw) -> tuple[SGLangEngine, FakeEngine]:
-    """Build an engine on the stand-in outside pytest (for run_scenario)."""
+def _scenario_engine(api=None, **kw) -> tuple[SGLangEngine, FakeEngine]:
+    """Build an engine on the stand-in outside pytest (for run_scenario); ``api`` replaces the
+    stand-in's SGLang names."""
     import tempfile
 
     install_stand_in(lambda obj, name, value: setattr(obj, name, value))
+    if api is not None:
+        backend._load_sglang_api = api
     folder = Path(tempfile.mkdtemp())
     cfg = hf_config_from_model_args(ARGS)
     cfg["eos_token_id"] = EOS
@@ -1144,6 +1172,43 @@ def scenario_death_during_background_generate() -> None:
     with pytest.raises(backend.SGLangEngineDied):
         eng.pause()
     print("LATER CALLS: SGLangEngineDied")
+
+
+def run_with_real_pieces(structs: dict[str, type], serializer: Any) -> dict[str, Any]:
+    """The backend on the stand-in, with SGLang's real request structs and its real
+    MultiprocessingSerializer (tests/sglang_pieces.py runs this where they import)."""
+    global SERIALIZER
+
+    def real_api() -> SimpleNamespace:
+        api = _fake_api()
+        for name, cls in structs.items():
+            if hasattr(api, name):
+                setattr(api, name, cls)
+        api.MultiprocessingSerializer = serializer
+        CURRENT_API[:] = [api]
+        return api
+
+    SERIALIZER = serializer
+    eng, f = _scenario_engine(api=real_api)
+    (a,) = eng.generate([req([1, 2], "a", max_new_tokens=4, seed=0)])
+    eng.pause()
+    eng.publish_weights(weights(1), version=1)
+    eng.resume()
+    eng.sleep()
+    eng.wake()
+    eng.publish_weights(weights(2), version=2)
+    (b,) = eng.generate([req([1, 2], "b", max_new_tokens=4, seed=0)])
+    eng.shutdown()
+    equal = all(
+        torch.equal(p, dict(model_of(2).named_parameters())[n].detach().float())
+        for n, p in f.model.named_parameters()
+    )
+    return {
+        "structs": sorted(f.structs),
+        "calls": [c[0] for c in calls(f) if c[0] != "ipc_collect"],
+        "versions": [a.versions, b.versions],
+        "weights_bit_exact": equal,
+    }
 
 
 SCENARIOS = {

@@ -132,6 +132,8 @@ __all__ = [
     "SGLangEngineDied",
     "check_environment",
     "engine_launch_environment",
+    "engine_weight_shapes",
+    "prepare_bucket",
     "serialize_bucket",
 ]
 
@@ -199,6 +201,56 @@ def _cuda_release_cache() -> None:
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()
         torch.cuda.empty_cache()
+
+
+def prepare_bucket(
+    bucket: WeightBucket,
+    index: int,
+    *,
+    expected: Mapping[str, tuple[int, ...]],
+    seen: set[str],
+    device: torch.device | None,
+    dtype: torch.dtype,
+    model_path: str,
+) -> list[tuple[str, torch.Tensor]]:
+    """Check one bucket's names and shapes against the engine's model and cast it for sending.
+
+    Every ``(hf_name, full tensor)`` must be a weight of ``expected`` (``{HF name: shape}``) with
+    that shape, published once (``seen`` collects the names over a publish); otherwise ValueError
+    listing the mismatches, before anything is sent. Returns the tensors cast to ``dtype`` on
+    ``device`` (the engine's GPU; None: where they are).
+    """
+    named, problems = [], []
+    for item in bucket:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"bucket {index}: expected (hf_name, tensor) pairs, got {item!r}")
+        name, tensor = item
+        if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
+            raise TypeError(
+                f"bucket {index}: {name} is a {type(tensor).__name__}; publish_weights needs "
+                "full tensors (DTensor.full_tensor(), as minippo.parallel.full_tensor_buckets "
+                "gives)"
+            )
+        shape = expected.get(name)
+        if shape is None:
+            problems.append(f"{name} is not a weight of the engine's model")
+        elif tuple(tensor.shape) != shape:
+            problems.append(f"{name} has shape {tuple(tensor.shape)}, the engine's is {shape}")
+        elif name in seen:
+            problems.append(f"{name} is published twice")
+        seen.add(name)
+        t = tensor.detach()
+        t = t.to(dtype=dtype) if device is None else t.to(device, dtype)
+        named.append((name, t))
+    if problems:
+        raise ValueError(
+            f"publish_weights: bucket {index} does not match the engine's model "
+            f"({model_path}/config.json), nothing of it was sent: {'; '.join(problems[:8])}"
+            f"{f'; and {len(problems) - 8} more' if len(problems) > 8 else ''}"
+        )
+    if not named:
+        raise ValueError(f"bucket {index} is empty")
+    return named
 
 
 def serialize_bucket(api: Any, named: list[tuple[str, torch.Tensor]]) -> bytes:
@@ -515,7 +567,7 @@ class SGLangEngine:
         if local_rank is None:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         port, nccl_port = engine_ports(int(base_port), int(local_rank), int(port_stride))
-        expected = _engine_weight_shapes(model_path)
+        expected = engine_weight_shapes(model_path)
         if model_args is not None:
             problems = shape_mismatches(expected, expected_hf_shapes(model_args))
             if problems:
@@ -875,38 +927,15 @@ class SGLangEngine:
     def _prepare_bucket(
         self, bucket: WeightBucket, index: int, seen: set[str]
     ) -> list[tuple[str, torch.Tensor]]:
-        """Check names and shapes against the engine's model (before anything is sent), cast."""
-        named, problems = [], []
-        for item in bucket:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise TypeError(f"bucket {index}: expected (hf_name, tensor) pairs, got {item!r}")
-            name, tensor = item
-            if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
-                raise TypeError(
-                    f"bucket {index}: {name} is a {type(tensor).__name__}; publish_weights needs "
-                    "full tensors (DTensor.full_tensor(), as minippo.parallel.full_tensor_buckets "
-                    "gives)"
-                )
-            shape = self._expected.get(name)
-            if shape is None:
-                problems.append(f"{name} is not a weight of the engine's model")
-            elif tuple(tensor.shape) != shape:
-                problems.append(f"{name} has shape {tuple(tensor.shape)}, the engine's is {shape}")
-            elif name in seen:
-                problems.append(f"{name} is published twice")
-            seen.add(name)
-            t = tensor.detach()
-            t = t.to(dtype=self._dtype) if self._device is None else t.to(self._device, self._dtype)
-            named.append((name, t))
-        if problems:
-            raise ValueError(
-                f"publish_weights: bucket {index} does not match the engine's model "
-                f"({self.model_path}/config.json), nothing of it was sent: {'; '.join(problems[:8])}"
-                f"{f'; and {len(problems) - 8} more' if len(problems) > 8 else ''}"
-            )
-        if not named:
-            raise ValueError(f"bucket {index} is empty")
-        return named
+        return prepare_bucket(
+            bucket,
+            index,
+            expected=self._expected,
+            seen=seen,
+            device=self._device,
+            dtype=self._dtype,
+            model_path=self.model_path,
+        )
 
     # -- coroutines (engine loop) --------------------------------------------------------------
     async def _generate_async(
@@ -1063,7 +1092,7 @@ class SGLangEngine:
                 self._tm.end_weight_update(obj=self._api.EndWeightUpdateReqInput(), request=None),
             )
             if self._paused and self._inflight:
-                await self._abort_async(paused_first=True)
+                await self._abort_async()
         finally:
             self._publishing = False
             await self._notify()
@@ -1087,17 +1116,18 @@ class SGLangEngine:
         await self._notify()
 
     async def _abort_async(
-        self, resend_s: float = 0.5, timeout_s: float = 300.0, paused_first: bool = False
+        self, resend_s: float = 0.5, timeout_s: float = 300.0
     ) -> list[Completion]:
-        """Abort everything in flight. While paused, the scheduler is let run (continue) so that
-        requests still held in the tokenizer manager are aborted too, then paused again; with
-        ``paused_first`` the retracted requests are aborted before that, without another step."""
+        """Abort everything in flight. While paused, the retracted requests are aborted where
+        they wait (no further step runs); only if some are still in flight after ``resend_s``
+        (held in the tokenizer manager, never sent to the scheduler) is the scheduler let run
+        (continue) so that the abort reaches them, and paused again."""
         assert self._cond is not None
         self._aborting = True
         self._aborted = []
         await self._notify()  # requests waiting at the gate finish as empty aborts
         start = time.monotonic()
-        if paused_first and self._paused:
+        if self._paused:
             self._tm.abort_request(abort_all=True)
             while self._inflight and time.monotonic() - start < resend_s:
                 await asyncio.sleep(0.005)
@@ -1184,7 +1214,7 @@ class SGLangEngine:
                 task.cancel()
 
 
-def _engine_weight_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+def engine_weight_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     """``{HF name: shape}`` the engine's model expects, from ``model_path``/config.json."""
     from minippo.models import model_args_from_hf_config
 

@@ -9,7 +9,7 @@ is used two ways; nothing of SGLang is copied into this repository.
   the producer/consumer reduction patch from ``sglang/srt/utils/patch_torch.py``. With
   ``register=True`` they are also installed as ``sys.modules["sglang.srt.utils.patch_torch"]``, so
   that ``SafeUnpickler`` resolves a payload made with the patch, as in the scheduler. For
-  scripts/gpu_rehearsal.py and its spawned unpickling process.
+  scripts/gpu_rehearsal.py and its spawned unpickling process (``digest_server``).
 * A side folder (``side_folder()``): the wheel's ``sglang/`` tree plus the pure-Python (or
   binary-wheel, dependency-free) packages its modules import (``SIDE_DEPS``, pip ``--target``),
   used by a child process (``run_real``, ``python -m tests.sglang_pieces``) that really imports
@@ -196,18 +196,29 @@ def tensor_digests(named: list[tuple[str, Any]]) -> list[tuple[str, str, str, li
     return out
 
 
-def unpickle_and_digest(wheel: str, payload: bytes, conn: Any) -> None:
-    """Spawned-process target: load SGLang's pieces, unpickle ``payload`` with its SafeUnpickler
-    (as the scheduler's ``MultiprocessingSerializer.deserialize``), send back the digests or the
-    error."""
+def digest_server(wheel: str, conn: Any) -> None:
+    """Spawned-process target (scripts/gpu_rehearsal.py): load SGLang's pieces, then for each
+    payload received, unpickle it with SGLang's SafeUnpickler (as the scheduler's
+    ``MultiprocessingSerializer.deserialize`` does) and answer its digests and the rebuild time;
+    stop on None. Errors are answered, not raised."""
     try:
         pieces = serialization_pieces(Path(wheel), register=True)
-        named = pieces.MultiprocessingSerializer.deserialize(payload)
-        conn.send({"digests": tensor_digests(named), "device": str(named[0][1].device)})
-    except BaseException as e:  # reported to the parent, which fails the check
-        conn.send({"error": f"{type(e).__name__}: {e}"})
-    finally:
-        conn.close()
+    except BaseException as e:
+        conn.send({"error": f"loading SGLang's code from {wheel}: {type(e).__name__}: {e}"})
+        return
+    while True:
+        payload = conn.recv()
+        if payload is None:
+            break
+        try:
+            t0 = time.perf_counter()
+            named = pieces.MultiprocessingSerializer.deserialize(payload)
+            rebuild_s = time.perf_counter() - t0
+            conn.send({"digests": tensor_digests(named), "rebuild_s": rebuild_s})
+            del named
+        except BaseException as e:
+            conn.send({"error": f"{type(e).__name__}: {e}"})
+    conn.close()
 
 
 # ----------------------------------------------------------------------------------------------

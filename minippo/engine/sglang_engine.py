@@ -627,7 +627,7 @@ class SGLangEngine:
         self._dtype = compute
         self._device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else None
         self._call_timeout_s = float(call_timeout_s)
-        self._seeds = random.Random(int(random_seed))  # caller threads, under self._control
+        self._seeds = random.Random(int(random_seed))  # drawn in caller threads, under _seed_lock
         self._seed_lock = threading.Lock()
         self._version = int(version)
         self._stamped = int(version)  # newest version handed to the engine

@@ -8,6 +8,7 @@
 # Runs, on every rank: engine up; publish from an FSDP2 model; generate with logprobs at three
 # temperatures and compare with the trainer; a partial rollout across a publish; sleep / wake;
 # abort. Each rank prints "[rank i] OK ..." with the measured logprob differences.
+# Without SGLang (one GPU, no internet): python scripts/gpu_rehearsal.py --out rehearsal.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +20,6 @@ have = md.version("sglang")
 assert have == SGLANG_VERSION, f"sglang {have} is installed, the backend is pinned to {SGLANG_VERSION}"
 print("sglang", have, "| torch", md.version("torch"))
 PY
-unset PYTORCH_CUDA_ALLOC_CONF  # the engine refuses expandable_segments
+unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF  # the engine refuses expandable_segments
 NPROC=${NPROC:-$(python -c 'import torch; print(min(2, torch.cuda.device_count()))')}
 python -m torch.distributed.run --nproc-per-node "$NPROC" tests/gpu/sglang_smoke.py "$@"

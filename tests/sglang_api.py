@@ -20,6 +20,8 @@ class ApiUse:
     Fields:
         kind:     "class"       importable ``name`` from ``module``; ``keywords`` = constructor
                                 keywords passed (each must be a field of the class);
+                  "function"    importable module-level function ``name`` from ``module``, called
+                                with ``keywords``;
                   "server_args" ``Engine(**kwargs)`` builds ``ServerArgs(**kwargs)``: ``keywords``
                                 are the kwargs passed (each must be a ServerArgs field);
                   "method"      ``Class.method`` (resolved through base classes in the wheel);
@@ -36,7 +38,7 @@ class ApiUse:
         note:     why the backend needs it.
     """
 
-    kind: Literal["class", "server_args", "method", "attribute", "literal"]
+    kind: Literal["class", "function", "server_args", "method", "attribute", "literal"]
     module: str
     name: str
     keywords: tuple[str, ...] = ()
@@ -76,8 +78,20 @@ SGLANG_API: tuple[ApiUse, ...] = (
     ApiUse("class", _ENGINE, "Engine", note="one offline engine per rank: Engine(**server_args)"),
     ApiUse("server_args", "sglang.srt.server_args", "ServerArgs", SERVER_ARG_KEYS),
     ApiUse("class", "sglang.srt.utils", "MultiprocessingSerializer", note="CUDA IPC payloads"),
+    ApiUse(
+        "function",
+        "sglang.srt.utils.patch_torch",
+        "monkey_patch_torch_reductions",
+        note="producer side: IPC handles carry the GPU's UUID, not this process's device index",
+    ),
     ApiUse("class", _IO, "PauseGenerationReqInput", ("mode",)),
-    ApiUse("class", _IO, "ContinueGenerationReqInput"),
+    ApiUse(
+        "class",
+        _IO,
+        "ContinueGenerationReqInput",
+        ("torch_empty_cache",),
+        note="False: the engine keeps its cached blocks (the trainer shares the GPU)",
+    ),
     ApiUse("class", _IO, "BeginWeightUpdateReqInput"),
     ApiUse("class", _IO, "EndWeightUpdateReqInput"),
     ApiUse(

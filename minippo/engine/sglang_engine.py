@@ -50,6 +50,22 @@ would wait for them anyway and must not start a request between two buckets). ``
 ``update_weights_from_tensor`` is the same call made through ``run_until_complete`` (which cannot
 be used while the loop runs in our thread) and cannot stamp a version.
 
+Seeds (``enable_deterministic_inference``). SGLang uses a request's ``sampling_seed`` only with
+``enable_deterministic_inference`` (which also forces its pytorch sampling backend and
+batch-invariant kernels); otherwise it drops the seed silently. So the backend sends seeds only
+in that mode (``honours_seeds``), where it also draws a seed for every sampled request that has
+none (SGLang would give them all the seed 42, i.e. identical samples of the same prompt). Without
+it, sampling is not reproducible, whatever the request's seed.
+
+Engine death. Any exception in SGLang's scheduler is fatal to the rank (see
+``minippo.engine._sglang_process``): the backend installs its own SIGQUIT handler through SGLang's
+``custom_sigquit_handler``, which writes one line naming the rank and the call in progress and
+raises :class:`SGLangEngineDied`, instead of SGLang's SIGKILL of the whole process tree. Before
+any weight reaches the engine, every published name and shape is checked against the engine's
+model config (``config.json`` of ``model_path``, and ``model_args`` against it at construction):
+SGLang would die on a wrong shape and silently keep random weights for a misspelt name. Every
+call into the tokenizer manager has a timeout (``call_timeout_s``) with a message naming the call.
+
 Memory modes (``memory_mode``):
     * ``overlap``: engine and trainer share the GPU at the same time (``mem_fraction_static`` of
       it is the engine's); ``sleep()`` / ``wake()`` do nothing.
@@ -69,8 +85,14 @@ or shut it down only at the very end.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import itertools
+import json
+import multiprocessing
 import os
+import random
+import signal
 import threading
 import time
 import warnings
@@ -81,6 +103,16 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch.distributed.tensor import DTensor
 
+from minippo.engine._sglang_process import (
+    SGLangEngineDied,
+    check_environment,
+    engine_launch_environment,
+    expected_hf_shapes,
+    on_engine_death,
+    register_engine,
+    shape_mismatches,
+    unregister_engine,
+)
 from minippo.engine.protocol import (
     FINISH_REASONS,
     Completion,
@@ -94,7 +126,22 @@ from minippo.engine.protocol import (
 if TYPE_CHECKING:
     from minippo.models import ModelArgs
 
+__all__ = [
+    "SGLANG_VERSION",
+    "SGLangEngine",
+    "SGLangEngineDied",
+    "check_environment",
+    "engine_launch_environment",
+    "engine_weight_shapes",
+    "prepare_bucket",
+    "serialize_bucket",
+]
+
 SGLANG_VERSION = "0.5.23"
+# flush_cache after a weight update or before a release succeeds only when the scheduler is fully
+# idle; its overlap loop keeps the last batch for about one iteration after the last output
+FLUSH_ATTEMPTS = 60
+FLUSH_RETRY_S = 1.0
 
 MemoryMode = Literal["overlap", "sleep"]
 MEMORY_MODES: tuple[str, ...] = ("overlap", "sleep")
@@ -121,6 +168,7 @@ def _load_sglang_api() -> SimpleNamespace:
             UpdateWeightVersionReqInput,
         )
         from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     except ImportError as e:
         raise ImportError(
             f"SGLangEngine needs sglang=={SGLANG_VERSION} on a CUDA machine "
@@ -129,6 +177,7 @@ def _load_sglang_api() -> SimpleNamespace:
     return SimpleNamespace(
         Engine=Engine,
         MultiprocessingSerializer=MultiprocessingSerializer,
+        monkey_patch_torch_reductions=monkey_patch_torch_reductions,
         PauseGenerationReqInput=PauseGenerationReqInput,
         ContinueGenerationReqInput=ContinueGenerationReqInput,
         BeginWeightUpdateReqInput=BeginWeightUpdateReqInput,
@@ -146,31 +195,82 @@ def _cuda_ipc_collect() -> None:
         torch.cuda.ipc_collect()
 
 
+def _cuda_release_cache() -> None:
+    """Return this process's cached CUDA blocks to the driver (after ``ipc_collect``), so that
+    the engine can map its memory back (no-op without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+
+
+def prepare_bucket(
+    bucket: WeightBucket,
+    index: int,
+    *,
+    expected: Mapping[str, tuple[int, ...]],
+    seen: set[str],
+    device: torch.device | None,
+    dtype: torch.dtype,
+    model_path: str,
+) -> list[tuple[str, torch.Tensor]]:
+    """Check one bucket's names and shapes against the engine's model and cast it for sending.
+
+    Every ``(hf_name, full tensor)`` must be a weight of ``expected`` (``{HF name: shape}``) with
+    that shape, published once (``seen`` collects the names over a publish); otherwise ValueError
+    listing the mismatches, before anything is sent. Returns the tensors cast to ``dtype`` on
+    ``device`` (the engine's GPU; None: where they are).
+    """
+    named, problems = [], []
+    for item in bucket:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"bucket {index}: expected (hf_name, tensor) pairs, got {item!r}")
+        name, tensor = item
+        if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
+            raise TypeError(
+                f"bucket {index}: {name} is a {type(tensor).__name__}; publish_weights needs "
+                "full tensors (DTensor.full_tensor(), as minippo.parallel.full_tensor_buckets "
+                "gives)"
+            )
+        shape = expected.get(name)
+        if shape is None:
+            problems.append(f"{name} is not a weight of the engine's model")
+        elif tuple(tensor.shape) != shape:
+            problems.append(f"{name} has shape {tuple(tensor.shape)}, the engine's is {shape}")
+        elif name in seen:
+            problems.append(f"{name} is published twice")
+        seen.add(name)
+        t = tensor.detach()
+        t = t.to(dtype=dtype) if device is None else t.to(device, dtype)
+        named.append((name, t))
+    if problems:
+        raise ValueError(
+            f"publish_weights: bucket {index} does not match the engine's model "
+            f"({model_path}/config.json), nothing of it was sent: {'; '.join(problems[:8])}"
+            f"{f'; and {len(problems) - 8} more' if len(problems) > 8 else ''}"
+        )
+    if not named:
+        raise ValueError(f"bucket {index} is empty")
+    return named
+
+
+def serialize_bucket(api: Any, named: list[tuple[str, torch.Tensor]]) -> bytes:
+    """One bucket as SGLang's ``update_weights_from_tensor`` payload for a tp=1 engine.
+
+    ``MultiprocessingSerializer.serialize`` pickles each CUDA tensor as an IPC handle. SGLang's
+    producer-side ``monkey_patch_torch_reductions`` is applied first (once per process; what
+    sglang's own ``weight_sync`` helper and slime do): the handle then carries the GPU's UUID
+    instead of this process's device index, which the scheduler maps back to its own index, so
+    it stays right when the two processes see the GPUs under different indices
+    (``CUDA_VISIBLE_DEVICES`` per rank, ``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS``). The patch is
+    process-wide and handles CUDA tensors only: afterwards ``ForkingPickler`` cannot pickle CPU
+    tensors in this process (an IndexError inside SGLang's reduction).
+    """
+    api.monkey_patch_torch_reductions()
+    return api.MultiprocessingSerializer.serialize(obj=named)
+
+
 # ----------------------------------------------------------------------------------------------
 # Pure helpers (tested on CPU)
-
-
-def check_environment(environ: Mapping[str, str]) -> None:
-    """Refuse environment settings that break the engine or change its logprobs.
-
-    * ``PYTORCH_CUDA_ALLOC_CONF`` with ``expandable_segments``: the engine inherits it, and SGLang's
-      memory pools and release/resume (torch_memory_saver) do not work with expandable segments.
-    * ``SGLANG_RETURN_ORIGINAL_LOGPROB`` true: SGLang would return T = 1 logprobs instead of
-      ``log_softmax(logits / T)``.
-    """
-    conf = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if "expandable_segments" in conf:
-        raise RuntimeError(
-            f"PYTORCH_CUDA_ALLOC_CONF={conf!r} contains expandable_segments, which the SGLang "
-            "engine inherits and does not support; unset it (or drop expandable_segments) "
-            "before building SGLangEngine"
-        )
-    flag = environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "")
-    if flag.strip().lower() in ("1", "true", "yes", "on"):
-        raise RuntimeError(
-            f"SGLANG_RETURN_ORIGINAL_LOGPROB={flag!r} makes SGLang return temperature-1 "
-            "logprobs, but minippo's logprob is log_softmax(logits / T); unset it"
-        )
 
 
 def engine_ports(base_port: int, local_rank: int, port_stride: int) -> tuple[int, int]:
@@ -216,7 +316,9 @@ def engine_server_args(
     """The keyword arguments of ``sglang.Engine(**kwargs)`` (= ``ServerArgs`` fields).
 
     tp_size=1 on GPU ``local_rank`` (``base_gpu_id`` indexes the visible GPUs); token ids in and
-    out (``skip_tokenizer_init``); the memory saver only in ``sleep`` mode (release/resume need it).
+    out (``skip_tokenizer_init``); the memory saver only in ``sleep`` mode (release/resume need it);
+    SGLang installs ``on_engine_death`` as this process's SIGQUIT handler instead of its own
+    (which SIGKILLs the process tree) when a scheduler fails.
     """
     return dict(
         model_path=model_path,
@@ -237,17 +339,20 @@ def engine_server_args(
         enable_deterministic_inference=enable_deterministic_inference,
         rl_on_policy_target=rl_on_policy_target,
         log_level=log_level,
+        custom_sigquit_handler=on_engine_death,
     )
 
 
-def sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
+def sglang_sampling_params(params: SamplingParams, *, send_seed: bool) -> dict[str, Any]:
     """SGLang's ``sampling_params`` dict for one request.
 
     top_k 0 (off) -> -1 (SGLang's "whole vocabulary"); temperature 0 is greedy in both.
     Stop ids: SGLang always also stops at the model's EOS ids (config.json /
     generation_config.json) unless ``ignore_eos``, which also disables ``stop_token_ids``. So a
     request without stop ids gets ``ignore_eos=True`` (no stop at all, as the protocol says);
-    one with stop ids stops at them AND at the model's EOS ids.
+    one with stop ids stops at them AND at the model's EOS ids. The seed becomes
+    ``sampling_seed`` only with ``send_seed`` (SGLang ignores it unless the engine runs with
+    ``enable_deterministic_inference``) and never for greedy requests.
     """
     sp: dict[str, Any] = {
         "temperature": float(params.temperature),
@@ -259,7 +364,7 @@ def sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
         sp["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
     else:
         sp["ignore_eos"] = True
-    if params.seed is not None and params.temperature > 0:  # greedy needs no seed
+    if send_seed and params.seed is not None and params.temperature > 0:
         sp["sampling_seed"] = int(params.seed)
     return sp
 
@@ -369,10 +474,13 @@ class SGLangEngine:
     minippo.engine.sglang_engine.SGLangEngine, model_path: ..., mem_fraction_static: 0.4}``).
 
     Args:
-        model_path:          HF checkpoint folder (config.json; with ``load_format="dummy"`` only
-                             the config is read and the weights come from ``publish_weights``).
+        model_path:          local HF checkpoint folder (config.json; with ``load_format="dummy"``
+                             only the config is read and the weights come from
+                             ``publish_weights``). Published names and shapes are checked
+                             against this config.
         model_args:          the trainer's :class:`minippo.models.ModelArgs` (the recipe passes
-                             it to every engine); kept as ``self.model_args``.
+                             it to every engine); kept as ``self.model_args`` and checked against
+                             the engine's config.json at construction (names and shapes).
         mem_fraction_static: fraction of the GPU's memory for the engine's weights + KV cache.
         memory_mode:         "overlap" (share the GPU with the trainer at the same time) or
                              "sleep" (release the engine's memory around training).
@@ -390,12 +498,17 @@ class SGLangEngine:
                              restores them (no publish needed after wake).
         context_length:      engine context length (None: the model config's); also bounds
                              prompt + max_new_tokens of each request.
-        random_seed:         SGLang's random seed.
-        sampling_backend:    SGLang sampling kernels (None: its default). Seeded requests with
-                             top-k/top-p need "pytorch" (flashinfer refuses per-request seeds).
-        enable_deterministic_inference, rl_on_policy_target: SGLang's options for batch-invariant
-                             kernels / logprobs that match an FSDP trainer bitwise.
-        log_level:           SGLang's log level.
+        random_seed:         SGLang's random seed; also seeds the per-request seeds drawn in
+                             deterministic mode for requests without one.
+        sampling_backend:    SGLang sampling kernels (None: its default; deterministic mode
+                             needs None or "pytorch").
+        enable_deterministic_inference: seeds honoured (``sampling_seed`` is sent; SGLang's
+                             pytorch sampler and batch-invariant kernels, slower) or not (seeds
+                             are not sent: SGLang would ignore them). See ``honours_seeds``.
+        rl_on_policy_target: SGLang's option for logprobs that match an HF-style FSDP trainer.
+        log_level:           SGLang's log level (its scheduler logs fatal tracebacks at "error").
+        call_timeout_s:      limit for each call into SGLang's tokenizer manager other than
+                             generation (pause, weight update, flush, memory release/resume...).
         extra_server_args:   other ``ServerArgs`` fields, passed through unchecked (SGLang
                              validates them at start); may not repeat a key set above.
     """
@@ -420,6 +533,7 @@ class SGLangEngine:
         enable_deterministic_inference: bool = False,
         rl_on_policy_target: str | None = None,
         log_level: str = "error",
+        call_timeout_s: float = 600.0,
         extra_server_args: Mapping[str, Any] | None = None,
     ) -> None:
         # validate everything before touching a device or starting processes
@@ -439,9 +553,29 @@ class SGLangEngine:
             raise ValueError(f"context_length must be >= 2 or None, got {context_length!r}")
         if int(version) < 0:
             raise ValueError(f"version must be >= 0, got {version!r}")
+        if not float(call_timeout_s) > 0:
+            raise ValueError(f"engine.call_timeout_s must be > 0 seconds, got {call_timeout_s!r}")
+        deterministic = bool(enable_deterministic_inference)
+        if deterministic:
+            if sampling_backend not in (None, "pytorch"):
+                raise ValueError(
+                    f"engine.enable_deterministic_inference needs SGLang's pytorch sampler, but "
+                    f"engine.sampling_backend is {sampling_backend!r}; remove sampling_backend "
+                    "or set it to pytorch"
+                )
+            sampling_backend = "pytorch"
         if local_rank is None:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         port, nccl_port = engine_ports(int(base_port), int(local_rank), int(port_stride))
+        expected = engine_weight_shapes(model_path)
+        if model_args is not None:
+            problems = shape_mismatches(expected, expected_hf_shapes(model_args))
+            if problems:
+                raise ValueError(
+                    f"the trainer's model_args do not match the engine's model "
+                    f"({model_path}/config.json): {'; '.join(problems)}; point engine.model_path "
+                    "at the checkpoint the trainer was built from"
+                )
         kwargs = engine_server_args(
             model_path=model_path,
             local_rank=int(local_rank),
@@ -456,7 +590,7 @@ class SGLangEngine:
             version=int(version),
             context_length=None if context_length is None else int(context_length),
             sampling_backend=sampling_backend,
-            enable_deterministic_inference=bool(enable_deterministic_inference),
+            enable_deterministic_inference=deterministic,
             rl_on_policy_target=rl_on_policy_target,
             log_level=log_level,
         )
@@ -482,14 +616,19 @@ class SGLangEngine:
             )
 
         self.model_args = model_args
+        self.model_path = model_path
         self.memory_mode: str = memory_mode
         self.local_rank = int(local_rank)
         self.server_args: dict[str, Any] = kwargs
+        self.honours_seeds = deterministic
+        self._expected = expected
         self._context_length = kwargs["context_length"]
-        self._sampling_backend = sampling_backend
         self._weights_cpu_backup = bool(weights_cpu_backup)
         self._dtype = compute
         self._device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else None
+        self._call_timeout_s = float(call_timeout_s)
+        self._seeds = random.Random(int(random_seed))  # drawn in caller threads, under _seed_lock
+        self._seed_lock = threading.Lock()
         self._version = int(version)
         self._stamped = int(version)  # newest version handed to the engine
         # loop-side state (touched only by coroutines on the engine loop)
@@ -506,9 +645,31 @@ class SGLangEngine:
         # caller-side serialisation of control operations
         self._control = threading.RLock()
         self._closed = False
+        # what is in progress (for the death report) and whether the engine died
+        self._dead: str | None = None
+        self._calls: dict[str, str] = {}  # thread name -> protocol call
+        self._tm_call: str | None = None  # the tokenizer-manager call awaited on the loop
+        self._engine_procs: list[Any] = []
+        self._old_sigquit: Any = None
 
         self._api = _load_sglang_api()
-        self._engine = self._api.Engine(**kwargs)
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            self._old_sigquit = signal.getsignal(signal.SIGQUIT)
+        register_engine(self)
+        before = set(_child_processes())
+        self._calls[threading.current_thread().name] = "SGLangEngine() (engine start)"
+        try:
+            with engine_launch_environment():
+                self._engine = self._api.Engine(**kwargs)
+        except BaseException:
+            unregister_engine(self)
+            if main:
+                signal.signal(signal.SIGQUIT, self._old_sigquit)
+            raise
+        finally:
+            self._calls.pop(threading.current_thread().name, None)
+        self._engine_procs = [p for p in _child_processes() if p not in before]
         self._tm = self._engine.tokenizer_manager
         self._loop: asyncio.AbstractEventLoop = self._engine.loop
         if self._loop.is_running():
@@ -518,15 +679,19 @@ class SGLangEngine:
             target=self._run_loop, name=f"sglang-engine-loop-{self.local_rank}", daemon=True
         )
         self._thread.start()
-        self._call(self._init_async())
+        self._call(self._init_async(), "SGLangEngine()")
 
     # -- loop thread ---------------------------------------------------------------------------
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
-    def _call(self, coro: Any) -> Any:
-        """Run ``coro`` on the engine loop and block for its result (from a plain thread)."""
+    def _call(self, coro: Any, what: str) -> Any:
+        """Run ``coro`` on the engine loop and block for its result (from a plain thread).
+
+        ``what`` names the protocol call (for the death report). Raises SGLangEngineDied as soon
+        as the engine is known dead.
+        """
         if _running_loop() is not None:
             coro.close()
             raise RuntimeError(
@@ -536,7 +701,50 @@ class SGLangEngine:
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("SGLangEngine methods cannot be called from the engine loop thread")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        if self._dead is not None:
+            coro.close()
+            raise SGLangEngineDied(self._dead)
+        me = threading.current_thread().name
+        self._calls[me] = what
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            while not concurrent.futures.wait([future], timeout=0.1).done:
+                if self._dead is not None:
+                    future.cancel()
+                    raise SGLangEngineDied(self._dead)
+            return future.result()
+        finally:
+            self._calls.pop(me, None)
+
+    async def _tm_await(self, what: str, awaitable: Any) -> Any:
+        """Await one tokenizer-manager call, at most ``call_timeout_s``."""
+        self._tm_call = what
+        try:
+            return await asyncio.wait_for(awaitable, self._call_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"rank {os.environ.get('RANK', '?')} (local_rank {self.local_rank}): SGLang "
+                f"tokenizer_manager.{what} did not answer within {self._call_timeout_s:g} s "
+                "(engine.call_timeout_s); the scheduler is stuck or dead: see its log in this "
+                "process's stderr"
+            ) from None
+        finally:
+            self._tm_call = None
+
+    def _death_report(self) -> str:
+        calls = sorted(set(self._calls.values())) or ["no call (idle)"]
+        codes = ", ".join(
+            f"{getattr(p, 'name', 'child')} pid {p.pid} exit code {p.exitcode}"
+            for p in self._engine_procs
+        )
+        tm = f"; tokenizer_manager.{self._tm_call} was awaited" if self._tm_call else ""
+        return (
+            f"local_rank {self.local_rank} engine was in {' and '.join(calls)}{tm}; engine "
+            f"processes: {codes or 'unknown'}"
+        )
+
+    def _mark_dead(self, message: str) -> None:
+        self._dead = message
 
     async def _init_async(self) -> None:
         self._cond = asyncio.Condition()
@@ -564,17 +772,20 @@ class SGLangEngine:
         """Complete every request (blocking; callable from a background thread)."""
         requests = list(requests)
         validate_requests(requests, max_seq_len=self._context_length)
-        self._check_sampling(requests)
         self._check_open()
         if not requests:
             return []
-        return self._call(self._generate_async(requests))
+        params = [self._sampling_params(r.params) for r in requests]
+        return self._call(self._generate_async(requests, params), "generate")
 
     def publish_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Load new weights bucket by bucket (HF names, full tensors), then stamp ``version``.
 
         Iterates ``buckets`` in the calling thread (FSDP gathers are collectives: every rank must
-        call this with the same parameter order). See the module docstring for the sequence.
+        call this with the same parameter order). Every name and shape is checked against the
+        engine's model before the bucket is sent, and the whole set must be covered. If the
+        publish fails while generation is paused, the paused requests are aborted (they would
+        otherwise resume on half-loaded weights). See the module docstring for the sequence.
         """
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"version must be an int, got {version!r}")
@@ -584,32 +795,45 @@ class SGLangEngine:
                 raise ValueError(
                     f"version must not decrease: got {version}, the engine has {self._version}"
                 )
-            self._call(self._begin_publish())
+            what = f"publish_weights(version={version})"
+            self._call(self._begin_publish(), what)
+            seen: set[str] = set()
             try:
                 for i, bucket in enumerate(buckets):
-                    named = self._prepare_bucket(bucket, i)
-                    payload = self._api.MultiprocessingSerializer.serialize(obj=named)
-                    self._call(self._push_bucket(payload, i))
+                    named = self._prepare_bucket(bucket, i, seen)
+                    payload = serialize_bucket(self._api, named)
+                    self._call(self._push_bucket(payload, i), f"{what}, bucket {i}")
                     # the engine has loaded the bucket: drop every reference, free the IPC handles
                     del bucket, named, payload
                     _cuda_ipc_collect()
                 _cuda_ipc_collect()
-                self._call(self._finish_publish(version))
+                missing = [n for n in self._expected if n not in seen]
+                if missing:
+                    raise ValueError(
+                        f"publish_weights(version={version}) did not publish "
+                        f"{len(missing)} of the engine's weights ({', '.join(missing[:8])}"
+                        f"{', ...' if len(missing) > 8 else ''}): the engine would keep its old "
+                        "or dummy values; publish every parameter (full_tensor_buckets does)"
+                    )
+                if self._memory == "weights_only":
+                    _cuda_release_cache()  # before the engine maps its KV cache back
+                self._call(self._finish_publish(version), what)
             except BaseException:
-                self._call(self._fail_publish())
+                if self._dead is None:
+                    self._call(self._fail_publish(), f"{what} (failed: ending it)")
                 raise
 
     def pause(self) -> None:
         """Stop sampling; in-flight requests are retracted (their tokens kept, KV recomputed)."""
         with self._control:
             self._check_open()
-            self._call(self._pause_async())
+            self._call(self._pause_async(), "pause")
 
     def resume(self) -> None:
         """Continue the paused requests with whatever weights are loaded now."""
         with self._control:
             self._check_open()
-            self._call(self._resume_async())
+            self._call(self._resume_async(), "resume")
 
     def abort(self) -> list[Completion]:
         """Stop every in-flight request; return their partial completions.
@@ -619,7 +843,7 @@ class SGLangEngine:
         """
         with self._control:
             self._check_open()
-            return self._call(self._abort_async())
+            return self._call(self._abort_async(), "abort")
 
     def sleep(self) -> None:
         """sleep mode: release weights, KV cache and CUDA graphs (engine idle). overlap: no-op."""
@@ -627,35 +851,44 @@ class SGLangEngine:
             return
         with self._control:
             self._check_open()
-            self._call(self._sleep_async())
+            self._call(self._sleep_async(), "sleep")
 
     def wake(self) -> None:
         """sleep mode: restore the weights' memory (values undefined unless weights_cpu_backup:
         then everything is restored); the next publish_weights restores KV cache + CUDA graphs.
-        overlap: no-op."""
+        overlap: no-op. The trainer's cached CUDA blocks are returned to the driver first."""
         if self.memory_mode != "sleep":
             return
         with self._control:
             self._check_open()
-            self._call(self._wake_async())
+            _cuda_release_cache()
+            self._call(self._wake_async(), "wake")
 
     def shutdown(self) -> None:
         """Abort what is in flight, stop the loop thread and the engine. Idempotent.
 
-        SGLang's ``Engine.shutdown`` kills EVERY child process of this process.
+        SGLang's ``Engine.shutdown`` kills EVERY child process of this process. The SIGQUIT handler
+        that was in place before the engine was built is restored.
         """
         with self._control:
             if self._closed:
                 return
             self._closed = True
             try:
-                if self._thread.is_alive():
-                    self._call(self._shutdown_async())
+                if self._thread.is_alive() and self._dead is None:
+                    self._call(self._shutdown_async(), "shutdown")
             finally:
                 if self._thread.is_alive():
                     self._loop.call_soon_threadsafe(self._loop.stop)
                     self._thread.join(timeout=30.0)
-                self._engine.shutdown()
+                try:
+                    self._engine.shutdown()
+                finally:
+                    unregister_engine(self)
+                    if self._old_sigquit is not None and (
+                        threading.current_thread() is threading.main_thread()
+                    ):
+                        signal.signal(signal.SIGQUIT, self._old_sigquit)
 
     def __enter__(self) -> SGLangEngine:
         return self
@@ -665,21 +898,18 @@ class SGLangEngine:
 
     # -- checks (caller thread) ----------------------------------------------------------------
     def _check_open(self) -> None:
+        if self._dead is not None:
+            raise SGLangEngineDied(self._dead)
         if self._closed:
             raise RuntimeError("the SGLangEngine is shut down")
 
-    def _check_sampling(self, requests: Sequence[GenerateRequest]) -> None:
-        if self._sampling_backend == "pytorch":
-            return
-        for req in requests:
-            p = req.params
-            if p.seed is not None and p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0):
-                raise ValueError(
-                    f"request {req.request_id!r}: a per-request seed with top_k={p.top_k} / "
-                    f"top_p={p.top_p} needs SGLang's pytorch sampling backend (sampling_backend="
-                    f"{self._sampling_backend!r} refuses seeds there); set the engine's "
-                    "sampling_backend: pytorch, or sample without top-k/top-p"
-                )
+    def _sampling_params(self, params: SamplingParams) -> dict[str, Any]:
+        """SGLang's dict; in deterministic mode an unseeded sampled request gets a drawn seed."""
+        if self.honours_seeds and params.seed is None and params.temperature > 0:
+            with self._seed_lock:
+                seed = self._seeds.getrandbits(62)
+            params = dataclasses.replace(params, seed=seed)
+        return sglang_sampling_params(params, send_seed=self.honours_seeds)
 
     def _check_can_generate(self) -> None:
         if self._memory != "awake":
@@ -694,30 +924,26 @@ class SGLangEngine:
                 "backup, or a failed publish): call publish_weights(...) first"
             )
 
-    def _prepare_bucket(self, bucket: WeightBucket, index: int) -> list[tuple[str, torch.Tensor]]:
-        named = []
-        for item in bucket:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise TypeError(f"bucket {index}: expected (hf_name, tensor) pairs, got {item!r}")
-            name, tensor = item
-            if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
-                raise TypeError(
-                    f"bucket {index}: {name} is a {type(tensor).__name__}; publish_weights needs "
-                    "full tensors (DTensor.full_tensor(), as minippo.parallel.full_tensor_buckets "
-                    "gives)"
-                )
-            t = tensor.detach()
-            t = t.to(dtype=self._dtype) if self._device is None else t.to(self._device, self._dtype)
-            named.append((name, t))
-        if not named:
-            raise ValueError(f"bucket {index} is empty")
-        return named
+    def _prepare_bucket(
+        self, bucket: WeightBucket, index: int, seen: set[str]
+    ) -> list[tuple[str, torch.Tensor]]:
+        return prepare_bucket(
+            bucket,
+            index,
+            expected=self._expected,
+            seen=seen,
+            device=self._device,
+            dtype=self._dtype,
+            model_path=self.model_path,
+        )
 
     # -- coroutines (engine loop) --------------------------------------------------------------
-    async def _generate_async(self, requests: list[GenerateRequest]) -> list[Completion]:
+    async def _generate_async(
+        self, requests: list[GenerateRequest], params: list[dict[str, Any]]
+    ) -> list[Completion]:
         if self._gate_open():
             self._check_can_generate()  # fail fast, before any request is admitted
-        tasks = [asyncio.ensure_future(self._generate_one(r)) for r in requests]
+        tasks = [asyncio.ensure_future(self._generate_one(r, p)) for r, p in zip(requests, params)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -725,7 +951,7 @@ class SGLangEngine:
                 task.cancel()
             raise
 
-    async def _generate_one(self, req: GenerateRequest) -> Completion:
+    async def _generate_one(self, req: GenerateRequest, params: dict[str, Any]) -> Completion:
         assert self._cond is not None
         async with self._cond:
             self._waiting += 1
@@ -745,7 +971,7 @@ class SGLangEngine:
         try:
             out = await self._engine.async_generate(
                 input_ids=list(req.prompt_ids),
-                sampling_params=sglang_sampling_params(req.params),
+                sampling_params=params,
                 return_logprob=True,
                 rid=rid,
             )
@@ -764,6 +990,26 @@ class SGLangEngine:
         async with self._cond:
             await self._cond.wait_for(lambda: not self._inflight)
 
+    async def _flush(self, why: str) -> None:
+        """``flush_cache``, retried while the scheduler is not yet fully idle (its overlap loop
+        keeps the last batch for about one iteration after the last output)."""
+        for attempt in range(FLUSH_ATTEMPTS):
+            flushed = await self._tm_await("flush_cache", self._tm.flush_cache())
+            if flushed.success:
+                return
+            if attempt + 1 < FLUSH_ATTEMPTS:
+                await asyncio.sleep(FLUSH_RETRY_S)
+        raise RuntimeError(
+            f"SGLang flush_cache {why} failed {FLUSH_ATTEMPTS} times {FLUSH_RETRY_S:g} s apart "
+            f"(the engine is not idle): {flushed}"
+        )
+
+    def _continue_req(self) -> Any:
+        # the trainer shares the GPU: the engine keeps its cached blocks instead of returning
+        # them to the driver (where a trainer allocation could take them and the engine's next
+        # large allocation would fail, which is fatal)
+        return self._api.ContinueGenerationReqInput(torch_empty_cache=False)
+
     async def _begin_publish(self) -> None:
         if self._memory == "asleep":
             raise RuntimeError(
@@ -774,8 +1020,11 @@ class SGLangEngine:
         try:
             if not self._paused:
                 await self._drain()
-            ok, message = await self._tm.begin_weight_update(
-                obj=self._api.BeginWeightUpdateReqInput(), request=None
+            ok, message = await self._tm_await(
+                "begin_weight_update",
+                self._tm.begin_weight_update(
+                    obj=self._api.BeginWeightUpdateReqInput(), request=None
+                ),
             )
             if not ok:
                 raise RuntimeError(f"SGLang begin_weight_update failed: {message}")
@@ -786,13 +1035,16 @@ class SGLangEngine:
         self._has_weights = False  # until the whole set is in
 
     async def _push_bucket(self, payload: Any, index: int) -> None:
-        ok, message = await self._tm.update_weights_from_tensor(
-            obj=self._api.UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=[payload],  # one payload per TP rank; tp_size == 1
-                load_format=None,
-                flush_cache=False,
+        ok, message = await self._tm_await(
+            f"update_weights_from_tensor (bucket {index})",
+            self._tm.update_weights_from_tensor(
+                obj=self._api.UpdateWeightsFromTensorReqInput(
+                    serialized_named_tensors=[payload],  # one payload per TP rank; tp_size == 1
+                    load_format=None,
+                    flush_cache=False,
+                ),
+                request=None,
             ),
-            request=None,
         )
         if not ok:
             raise RuntimeError(
@@ -800,24 +1052,29 @@ class SGLangEngine:
             )
 
     async def _finish_publish(self, version: int) -> None:
-        ok, message = await self._tm.end_weight_update(
-            obj=self._api.EndWeightUpdateReqInput(), request=None
+        ok, message = await self._tm_await(
+            "end_weight_update",
+            self._tm.end_weight_update(obj=self._api.EndWeightUpdateReqInput(), request=None),
         )
         if not ok:
             raise RuntimeError(f"SGLang end_weight_update failed: {message}")
-        flushed = await self._tm.flush_cache()
-        if not flushed.success:
-            raise RuntimeError(f"SGLang flush_cache after the weight update failed: {flushed}")
+        await self._flush("after the weight update")
         self._stamped = max(self._stamped, version)
-        await self._tm.update_weight_version(
-            obj=self._api.UpdateWeightVersionReqInput(
-                new_version=str(version), abort_all_requests=False
-            )
+        await self._tm_await(
+            "update_weight_version",
+            self._tm.update_weight_version(
+                obj=self._api.UpdateWeightVersionReqInput(
+                    new_version=str(version), abort_all_requests=False
+                )
+            ),
         )
         if self._memory == "weights_only":
-            await self._tm.resume_memory_occupation(
-                obj=self._api.ResumeMemoryOccupationReqInput(tags=[_MEM_KV, _MEM_GRAPH]),
-                request=None,
+            await self._tm_await(
+                "resume_memory_occupation(kv_cache, cuda_graph)",
+                self._tm.resume_memory_occupation(
+                    obj=self._api.ResumeMemoryOccupationReqInput(tags=[_MEM_KV, _MEM_GRAPH]),
+                    request=None,
+                ),
             )
             self._memory = "awake"
         self._version = version
@@ -826,10 +1083,16 @@ class SGLangEngine:
         await self._notify()
 
     async def _fail_publish(self) -> None:
-        # the weights may be half-updated: refuse to generate until a publish succeeds
+        # the weights may be half-updated: refuse to generate until a publish succeeds, and
+        # abort the requests pause() retracted instead of letting resume() continue them
         self._has_weights = False
         try:
-            await self._tm.end_weight_update(obj=self._api.EndWeightUpdateReqInput(), request=None)
+            await self._tm_await(
+                "end_weight_update",
+                self._tm.end_weight_update(obj=self._api.EndWeightUpdateReqInput(), request=None),
+            )
+            if self._paused and self._inflight:
+                await self._abort_async()
         finally:
             self._publishing = False
             await self._notify()
@@ -838,28 +1101,43 @@ class SGLangEngine:
         if self._paused:
             return
         self._paused = True
-        await self._tm.pause_generation(obj=self._api.PauseGenerationReqInput(mode="retract"))
+        await self._tm_await(
+            "pause_generation",
+            self._tm.pause_generation(obj=self._api.PauseGenerationReqInput(mode="retract")),
+        )
 
     async def _resume_async(self) -> None:
         if not self._paused:
             return
-        await self._tm.continue_generation(obj=self._api.ContinueGenerationReqInput())
+        await self._tm_await(
+            "continue_generation", self._tm.continue_generation(obj=self._continue_req())
+        )
         self._paused = False
         await self._notify()
 
     async def _abort_async(
         self, resend_s: float = 0.5, timeout_s: float = 300.0
     ) -> list[Completion]:
+        """Abort everything in flight. While paused, the retracted requests are aborted where
+        they wait (no further step runs); only if some are still in flight after ``resend_s``
+        (held in the tokenizer manager, never sent to the scheduler) is the scheduler let run
+        (continue) so that the abort reaches them, and paused again."""
         assert self._cond is not None
         self._aborting = True
         self._aborted = []
         await self._notify()  # requests waiting at the gate finish as empty aborts
+        start = time.monotonic()
+        if self._paused:
+            self._tm.abort_request(abort_all=True)
+            while self._inflight and time.monotonic() - start < resend_s:
+                await asyncio.sleep(0.005)
         continued = self._paused and bool(self._inflight)
         if continued:
             # a request admitted just before pause() may still wait in the tokenizer manager
             # (never sent to the scheduler, so abort_all would miss it): let it through
-            await self._tm.continue_generation(obj=self._api.ContinueGenerationReqInput())
-        start = time.monotonic()
+            await self._tm_await(
+                "continue_generation", self._tm.continue_generation(obj=self._continue_req())
+            )
         last = None
         while self._inflight:
             now = time.monotonic()
@@ -873,7 +1151,10 @@ class SGLangEngine:
                 last = now
             await asyncio.sleep(0.005)
         if continued:
-            await self._tm.pause_generation(obj=self._api.PauseGenerationReqInput(mode="retract"))
+            await self._tm_await(
+                "pause_generation",
+                self._tm.pause_generation(obj=self._api.PauseGenerationReqInput(mode="retract")),
+            )
         async with self._cond:  # the woken gate waiters record their empty completions
             await self._cond.wait_for(lambda: self._waiting == 0)
         self._aborting = False
@@ -889,10 +1170,16 @@ class SGLangEngine:
                 f"sleep() needs an idle engine, {len(self._inflight)} requests are in flight; "
                 "wait for them or abort() first"
             )
-        # after wake() without a publish only the weights hold memory
+        # release asserts that the scheduler is fully idle (fatal otherwise); a successful flush
+        # proves it. After wake() without a publish only the weights hold memory (no KV to flush).
+        if self._memory == "awake":
+            await self._flush("before releasing the engine's memory")
         tags = [_MEM_WEIGHTS] if self._memory == "weights_only" else None  # None = all
-        await self._tm.release_memory_occupation(
-            obj=self._api.ReleaseMemoryOccupationReqInput(tags=tags), request=None
+        await self._tm_await(
+            f"release_memory_occupation({tags or 'all'})",
+            self._tm.release_memory_occupation(
+                obj=self._api.ReleaseMemoryOccupationReqInput(tags=tags), request=None
+            ),
         )
         self._memory = "asleep"
 
@@ -900,13 +1187,20 @@ class SGLangEngine:
         if self._memory != "asleep":
             return
         if self._weights_cpu_backup:
-            await self._tm.resume_memory_occupation(
-                obj=self._api.ResumeMemoryOccupationReqInput(tags=None), request=None
+            await self._tm_await(
+                "resume_memory_occupation(all)",
+                self._tm.resume_memory_occupation(
+                    obj=self._api.ResumeMemoryOccupationReqInput(tags=None), request=None
+                ),
             )
             self._memory = "awake"
         else:
-            await self._tm.resume_memory_occupation(
-                obj=self._api.ResumeMemoryOccupationReqInput(tags=[_MEM_WEIGHTS]), request=None
+            await self._tm_await(
+                "resume_memory_occupation(weights)",
+                self._tm.resume_memory_occupation(
+                    obj=self._api.ResumeMemoryOccupationReqInput(tags=[_MEM_WEIGHTS]),
+                    request=None,
+                ),
             )
             self._memory = "weights_only"
             self._has_weights = False  # undefined contents until the next publish
@@ -920,6 +1214,22 @@ class SGLangEngine:
                 task.cancel()
 
 
+def engine_weight_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """``{HF name: shape}`` the engine's model expects, from ``model_path``/config.json."""
+    from minippo.models import model_args_from_hf_config
+
+    path = os.path.join(model_path, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except OSError as e:
+        raise ValueError(
+            f"engine.model_path must be a local HF folder with config.json (the published "
+            f"weights are checked against it): cannot read {path}: {e.strerror}"
+        ) from None
+    return expected_hf_shapes(model_args_from_hf_config(config))
+
+
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
@@ -928,6 +1238,4 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 
 def _child_processes() -> list[Any]:
-    import multiprocessing
-
     return multiprocessing.active_children()

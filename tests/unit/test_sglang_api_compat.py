@@ -271,6 +271,18 @@ def test_class_importable_with_fields(wheel, use: ApiUse):
 
 
 @pytest.mark.network
+@pytest.mark.parametrize(
+    "use", [u for u in SGLANG_API if u.kind == "function"], ids=lambda u: u.name
+)
+def test_function_importable_with_keywords(wheel, use: ApiUse):
+    _, fn = wheel.resolve(use.module, use.name)
+    assert isinstance(fn, ast.FunctionDef), f"{use.module}.{use.name} is not a function"
+    names, var_kw = _params(fn)
+    missing = set(use.keywords) - names
+    assert var_kw or not missing, f"{use.name} takes no keyword(s) {sorted(missing)}"
+
+
+@pytest.mark.network
 def test_engine_kwargs_are_server_args_fields(wheel):
     (use,) = [u for u in SGLANG_API if u.kind == "server_args"]
     fields = wheel.server_args_fields()
@@ -324,6 +336,67 @@ def test_literals_exist(wheel, use: ApiUse):
 
 
 @pytest.mark.network
+def test_wheel_requires_the_python_the_docs_state(wheel):
+    """sglang 0.5.23 needs Python >= 3.11: the install docs and the extra's comment say so."""
+    metadata = wheel.zip.read(f"sglang-{SGLANG_VERSION}.dist-info/METADATA").decode("utf-8")
+    assert "\nRequires-Python: >=3.11\n" in metadata
+    root = BACKEND_SOURCE.parents[2]
+    assert "Python ≥ 3.11" in (root / "docs" / "sglang_backend.md").read_text()
+    pyproject = (root / "pyproject.toml").read_text()
+    (line,) = [x for x in pyproject.splitlines() if x.startswith("sglang = ")]
+    assert "python >= 3.11" in line.lower()
+
+
+@pytest.mark.network
+@pytest.mark.parametrize(
+    "module, needle, why",
+    [
+        (
+            "sglang.srt.managers.scheduler",
+            "parent_process.send_signal(signal.SIGQUIT)",
+            "a scheduler exception SIGQUITs the training rank",
+        ),
+        (
+            "sglang.srt.entrypoints.engine",
+            "signal.signal(signal.SIGQUIT, cfg.custom_sigquit_handler)",
+            "Engine() installs our SIGQUIT handler instead of its kill_process_tree",
+        ),
+        (
+            "sglang.srt.managers.tokenizer_manager",
+            "if threading.current_thread() is threading.main_thread():\n"
+            "            signal_handler = self.signal_handler_class(self)",
+            "the tokenizer manager replaces it only when its loop starts on the main thread "
+            "(ours runs in a thread of its own)",
+        ),
+        (
+            "sglang.srt.sampling.sampling_batch_info",
+            "if enable_deterministic",
+            "sampling_seed is only used with enable_deterministic_inference",
+        ),
+        (
+            "sglang.srt.sampling.sampling_batch_info",
+            "else 42",
+            "a request without sampling_seed gets 42 in deterministic mode",
+        ),
+        (
+            "sglang.srt.arg_groups.overrides",
+            'return {"sampling_backend": "pytorch"}',
+            "deterministic inference forces the pytorch sampler",
+        ),
+        (
+            "sglang.srt.utils.patch_torch",
+            "_device_to_uuid",
+            "the producer-side patch sends the GPU's UUID",
+        ),
+    ],
+    ids=lambda x: x if isinstance(x, str) and x.startswith("sglang") else "",
+)
+def test_behaviour_the_backend_relies_on(wheel, module, needle, why):
+    text = wheel.zip.read(wheel.path_of(module)).decode()
+    assert needle in text, f"{module} changed: {why} may no longer hold"
+
+
+@pytest.mark.network
 def test_update_weights_needs_a_session_and_version_is_per_token(wheel):
     """The two 0.5.23 facts the publish sequence is built on, read from the scheduler source."""
     text = wheel.zip.read(
@@ -349,9 +422,20 @@ def _self_attr(node: ast.AST) -> str | None:
     return node.attr if is_self and node.value.id == "self" else None
 
 
+def _is_api_name(node: ast.AST) -> bool:
+    """``api`` (the namespace ``_load_sglang_api`` returns, passed to module functions)."""
+    return isinstance(node, ast.Name) and node.id == "api"
+
+
 def _backend_uses() -> dict[str, list]:
     tree = ast.parse(BACKEND_SOURCE.read_text())
     awaited = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Await)}
+    # a coroutine handed to ``self._tm_await(what, coro)`` is awaited there (with a timeout)
+    awaited |= {
+        id(n.args[1])
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and _self_attr(n.func) == "_tm_await" and len(n.args) == 2
+    }
     calls: list[
         tuple[str, list[str | None], int, bool]
     ] = []  # (qualname, keywords, n_pos, awaited)
@@ -368,9 +452,11 @@ def _backend_uses() -> dict[str, list]:
             qual = None
             if owner in _RECEIVERS:
                 qual = f"{_RECEIVERS[owner]}.{f.attr}"
-            elif owner == "_api":
+            elif owner == "_api" or _is_api_name(f.value):
                 qual = f.attr
-            elif isinstance(f.value, ast.Attribute) and _self_attr(f.value.value) == "_api":
+            elif isinstance(f.value, ast.Attribute) and (
+                _self_attr(f.value.value) == "_api" or _is_api_name(f.value.value)
+            ):
                 qual = f"{f.value.attr}.{f.attr}"
             if qual is not None:
                 called_funcs.add(id(f))
@@ -397,11 +483,13 @@ def _backend_uses() -> dict[str, list]:
 
 def test_table_matches_backend_source():
     uses = _backend_uses()
-    table = {u.name: u for u in SGLANG_API if u.kind in ("class", "method", "attribute")}
-    # imports: exactly the table's classes, from the same modules
-    classes = {(u.module, u.name) for u in SGLANG_API if u.kind == "class"}
-    assert uses["imports"] == classes
-    used_methods, used_classes = set(), set()
+    table = {
+        u.name: u for u in SGLANG_API if u.kind in ("class", "function", "method", "attribute")
+    }
+    # imports: exactly the table's classes and functions, from the same modules
+    imported = {(u.module, u.name) for u in SGLANG_API if u.kind in ("class", "function")}
+    assert uses["imports"] == imported
+    used_methods, used_classes, used_functions = set(), set(), set()
     for qual, keywords, n_pos, is_awaited in uses["calls"]:
         assert qual in table, f"the backend calls SGLang's {qual}, which is not in SGLANG_API"
         use = table[qual]
@@ -410,6 +498,8 @@ def test_table_matches_backend_source():
             if qual == "Engine":
                 assert keywords == [None] and n_pos == 0  # Engine(**kwargs): see server_args
                 continue
+        elif use.kind == "function":
+            used_functions.add(qual)
         else:
             assert use.kind == "method", f"{qual} is called but listed as {use.kind}"
             used_methods.add(qual)
@@ -418,6 +508,7 @@ def test_table_matches_backend_source():
         unknown = set(keywords) - set(use.keywords)
         assert not unknown, f"{qual} is called with {sorted(unknown)}, not in SGLANG_API"
     assert used_methods == {u.name for u in SGLANG_API if u.kind == "method"}, "unused entries"
+    assert used_functions == {u.name for u in SGLANG_API if u.kind == "function"}
     assert used_classes == {u.name for u in SGLANG_API if u.kind == "class"} - {
         "MultiprocessingSerializer"  # only its method is called
     }
@@ -447,7 +538,7 @@ def test_server_args_and_sampling_keys_are_in_the_table():
         SamplingParams(temperature=0.7, top_k=5, top_p=0.9, stop_token_ids=(2,), seed=3),
         SamplingParams(temperature=0.0, seed=3),
     ):
-        seen |= set(backend.sglang_sampling_params(p))
+        seen |= set(backend.sglang_sampling_params(p, send_seed=True))
     assert seen == set(names)
 
 

@@ -13,6 +13,24 @@ unless paused; release needs an idle engine; released weights are garbage until 
 generating with a released KV cache fails; a version change records (old version, tokens so far)
 for every live request; aborting a retracted request returns what was streamed so far, a
 multiple of 50 tokens). Every call is recorded, so the tests assert the exact call sequence.
+
+It is as unforgiving as 0.5.23 where the backend's correctness depends on it:
+    * fatal scheduler errors are process death, not exceptions: a wrong weight shape, pushing into
+      released weights, releasing while not fully idle, resuming a tag never released, generating
+      with a released KV cache, or an injected engine OOM make the stand-in log "Scheduler hit an
+      exception" and send SIGQUIT to this process, then never answer again; the SIGQUIT handler
+      installed by ``Engine()`` is SGLang's (SIGKILL this process) unless ``custom_sigquit_handler``
+      is given. Tests that could reach such a path on the old code run in a child process
+      (``run_scenario``);
+    * an unknown weight name is skipped with a warning (the model keeps its dummy weights);
+    * seeds are ignored unless ``enable_deterministic_inference``; in that mode a request without
+      ``sampling_seed`` uses 42;
+    * right after the last request finishes the scheduler is not yet fully idle for one loop
+      iteration: the next ``flush_cache`` fails and a release there is fatal;
+    * the scheduler sees one GPU (index 0): a CUDA IPC handle that carries the producer's device
+      index instead of the GPU's UUID (no ``monkey_patch_torch_reductions``) from a rank whose
+      local index is not 0 is fatal;
+    * the environment the scheduler inherits is recorded (``spawn_env``).
 """
 
 from __future__ import annotations
@@ -21,14 +39,22 @@ import asyncio
 import itertools
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
-from dataclasses import dataclass, field
+import traceback
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
+import minippo.engine._sglang_process as process_care
 import minippo.engine.sglang_engine as backend
 from minippo.config import instantiate
 from minippo.engine import SamplingParams
@@ -115,20 +141,37 @@ class FlushCacheReqOutput:
 
 
 class FakeSerializer:
-    """Stands for MultiprocessingSerializer: bytes in, the same objects out (in-process)."""
+    """Stands for MultiprocessingSerializer: bytes in, the same objects out (in-process). Records
+    whether SGLang's producer-side reduction patch (device UUID instead of index) was applied."""
 
     payloads: dict[bytes, object] = {}  # noqa: RUF012
     _ids = itertools.count()
+    patched = False  # process-wide, as SGLang's monkey_patch_torch_reductions
 
     @staticmethod
     def serialize(obj, output_str=False):
         key = b"ipc-payload-%d" % next(FakeSerializer._ids)
-        FakeSerializer.payloads[key] = obj
+        FakeSerializer.payloads[key] = (obj, FakeSerializer.patched)
         return key
 
     @staticmethod
     def deserialize(data):
         return FakeSerializer.payloads.pop(data)
+
+
+SERIALIZER: Any = FakeSerializer  # what the scheduler deserialises payloads with
+
+
+def monkey_patch_torch_reductions():
+    """Idempotent and process-wide, as SGLang's: the first application is recorded."""
+    if not FakeSerializer.patched and FakeEngine.instances:
+        FakeEngine.instances[-1].log.append(("monkey_patch_torch_reductions",))
+    FakeSerializer.patched = True
+
+
+def sglang_launch_sigquit_handler(signum, frame):
+    """SGLang's launch-phase handler: kill_process_tree(os.getpid()) ends with SIGKILL of self."""
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -159,8 +202,9 @@ class FakeTokenizerManager:
         self.session = False
 
     async def pause_generation(self, obj):
-        assert isinstance(obj, PauseGenerationReqInput)
+        self.e.seen(obj, "PauseGenerationReqInput")
         e = self.e
+        await e.alive("pause_generation")
         counts = {r.rid: len(r.out) for r in e.live.values() if r.dispatched}
         e.log.append(("pause_generation", obj.mode, counts))
         self.is_pause = True
@@ -171,8 +215,9 @@ class FakeTokenizerManager:
                     r.retracted = True
 
     async def continue_generation(self, obj):
-        assert isinstance(obj, ContinueGenerationReqInput)
-        self.e.log.append(("continue_generation",))
+        self.e.seen(obj, "ContinueGenerationReqInput")
+        await self.e.alive()
+        self.e.log.append(("continue_generation", obj.torch_empty_cache))
         self.is_pause = False
         self.e.sched_paused = False
 
@@ -190,7 +235,8 @@ class FakeTokenizerManager:
                     r.abort = True
 
     async def begin_weight_update(self, obj, request=None):
-        assert isinstance(obj, BeginWeightUpdateReqInput)
+        self.e.seen(obj, "BeginWeightUpdateReqInput")
+        await self.e.alive()
         self.e.log.append(("begin_weight_update",))
         if self.session:
             return False, "a weight-update session is already open"
@@ -198,7 +244,8 @@ class FakeTokenizerManager:
         return True, "Success"
 
     async def end_weight_update(self, obj, request=None):
-        assert isinstance(obj, EndWeightUpdateReqInput)
+        self.e.seen(obj, "EndWeightUpdateReqInput")
+        await self.e.alive()
         self.e.log.append(("end_weight_update",))
         if not self.session:
             return False, "no weight-update session is open"
@@ -206,12 +253,16 @@ class FakeTokenizerManager:
         return True, "Success"
 
     async def update_weights_from_tensor(self, obj, request=None):
-        assert isinstance(obj, UpdateWeightsFromTensorReqInput)
+        self.e.seen(obj, "UpdateWeightsFromTensorReqInput")
         e = self.e
+        await e.alive()
         if not self.is_pause:  # the model_update_lock writer: waits for running requests
             await e.wait_until(lambda: not e.live)
         (payload,) = obj.serialized_named_tensors  # one per TP rank
-        named = FakeSerializer.deserialize(payload)
+        if SERIALIZER is FakeSerializer:
+            named, patched = FakeSerializer.deserialize(payload)
+        else:  # SGLang's own (SafeUnpickler); CPU tensors cannot carry the CUDA-only patch
+            named, patched = SERIALIZER.deserialize(payload), FakeSerializer.patched
         e.log.append(
             (
                 "update_weights_from_tensor",
@@ -221,6 +272,7 @@ class FakeTokenizerManager:
                 obj.load_format,
                 obj.flush_cache,
                 obj.weight_version,
+                patched,
             )
         )
         if e.fail_bucket is not None and e.updates_seen == e.fail_bucket:
@@ -229,25 +281,34 @@ class FakeTokenizerManager:
         e.updates_seen += 1
         if not self.session:
             return False, "update_weights_from_tensor must run between begin_weight_update() ..."
+        if not patched and e.kwargs["base_gpu_id"] != 0:
+            await e.die(f"CUDA error: invalid device ordinal {e.kwargs['base_gpu_id']}")
         if "weights" in e.released:
-            raise RuntimeError("weights memory is released: the engine process would crash")
+            await e.die("CUDA error: an illegal memory access (weights memory is released)")
         params = dict(e.model.named_parameters())
         with torch.no_grad():
-            for name, t in named:
-                params[native_name(name)].copy_(t.float())
+            for name, t in named:  # Qwen3 load_weights
+                try:
+                    p = params[native_name(name)]
+                except KeyError:
+                    e.warnings.append(f"Parameter {name} not found in params_dict")
+                    continue
+                if p.shape != t.shape:
+                    await e.die(f"AssertionError: {name}: {tuple(p.shape)} != {tuple(t.shape)}")
+                p.copy_(t.float())
         return True, "Success"
 
     async def flush_cache(self, timeout_s=None):
         e = self.e
-        # fails while requests run; retracted (paused) ones in the waiting queue do not count
-        running = [r for r in e.live.values() if r.dispatched and not r.retracted]
-        ok = not running
+        await e.alive()
+        ok = e.fully_idle()  # retracted (paused) requests in the waiting queue do not count
         e.log.append(("flush_cache", ok))
         return FlushCacheReqOutput(success=ok)
 
     async def update_weight_version(self, obj):
-        assert isinstance(obj, UpdateWeightVersionReqInput)
+        self.e.seen(obj, "UpdateWeightVersionReqInput")
         e = self.e
+        await e.alive()
         e.log.append(("update_weight_version", obj.new_version, obj.abort_all_requests))
         if obj.new_version != e.version:
             for r in e.live.values():
@@ -257,9 +318,11 @@ class FakeTokenizerManager:
 
     async def release_memory_occupation(self, obj, request=None):
         e = self.e
+        e.seen(obj, "ReleaseMemoryOccupationReqInput")
+        await e.alive()
         e.log.append(("release_memory_occupation", obj.tags))
-        running = [r for r in e.live.values() if r.dispatched and not r.retracted]
-        assert not running, "release_memory_occupation should be called only when server is idle."
+        if not e.fully_idle():
+            await e.die("AssertionError: release_memory_occupation should be called only when idle")
         tags = obj.tags or ["weights", "kv_cache", "cuda_graph"]
         e.released |= set(tags)
         if "weights" in tags:
@@ -270,8 +333,15 @@ class FakeTokenizerManager:
 
     async def resume_memory_occupation(self, obj, request=None):
         e = self.e
+        e.seen(obj, "ResumeMemoryOccupationReqInput")
+        await e.alive()
         e.log.append(("resume_memory_occupation", obj.tags))
+        if e.fatal_on == "resume_memory_occupation":
+            await e.die("torch_memory_saver: cuMemCreate failed: out of memory")
         tags = obj.tags or ["weights", "kv_cache", "cuda_graph"]
+        for tag in tags:
+            if tag not in e.released:
+                await e.die(f"KeyError: {tag!r} (resume of a tag that was never released)")
         e.released -= set(tags)
         if "weights" in tags and e.kwargs["enable_weights_cpu_backup"]:
             with torch.no_grad():
@@ -294,6 +364,13 @@ class FakeEngine:
         assert kwargs["load_format"] == "dummy"
         init_weights(self.model, seed=kwargs["random_seed"] + 12345, std=0.1)
         self.version = kwargs["weight_version"]
+        self.deterministic = kwargs["enable_deterministic_inference"]
+        self.shared_gen = torch.Generator().manual_seed(kwargs["random_seed"])
+        self.spawn_env = dict(os.environ)  # what the scheduler process would inherit
+        # SGLang's _set_envs_and_config: the SIGQUIT handler of this process (main thread only)
+        if threading.current_thread() is threading.main_thread():
+            handler = kwargs.get("custom_sigquit_handler") or sglang_launch_sigquit_handler
+            signal.signal(signal.SIGQUIT, handler)
         self.tokenizer_manager = FakeTokenizerManager(self)
         self.loop = asyncio.new_event_loop()
         self.live: dict[str, _Req] = {}
@@ -304,7 +381,47 @@ class FakeEngine:
         self.fail_bucket: int | None = None
         self.updates_seen = 0
         self.closed = False
+        self.dead = False
+        self.idle_lag = 0  # loop iterations the scheduler still holds its last batch
+        self.fatal_on: str | None = None  # inject a fatal error into this call
+        self.oom_at_step: int | None = None  # inject an engine OOM at this decode step
+        self.hang_on: set[str] = set()  # tokenizer-manager calls that never answer
+        self.sampling: dict[str, dict] = {}  # rid -> the sampling params received
+        self.api = CURRENT_API[0]
+        self.structs: set[str] = set()
+        self.steps = 0
+        self.warnings: list[str] = []
         FakeEngine.instances.append(self)
+
+    def seen(self, obj, kind: str) -> None:
+        """The request struct a call received must be SGLang's ``kind`` (stand-in or real)."""
+        assert type(obj).__name__ == kind, f"expected {kind}, got {type(obj)}"
+        assert type(obj) is getattr(self.api, kind), f"{kind} is not the api's class"
+        self.structs.add(f"{type(obj).__module__}.{kind}")
+
+    async def die(self, reason: str):
+        """A scheduler exception: log it, SIGQUIT the parent (this process), never answer again."""
+        tb = "".join(traceback.format_stack(limit=4))
+        print(f"Scheduler hit an exception: Traceback (most recent call last):\n{tb}{reason}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        self.dead = True
+        self.log.append(("scheduler died", reason))
+        os.kill(os.getpid(), signal.SIGQUIT)
+        await asyncio.get_running_loop().create_future()  # never resolves
+
+    async def alive(self, call: str = ""):
+        """A dead scheduler never answers; nor does a call in ``hang_on`` (a stuck scheduler)."""
+        if self.dead or call in self.hang_on:
+            await asyncio.get_running_loop().create_future()
+
+    def fully_idle(self) -> bool:
+        """Scheduler.is_fully_idle: no running request, and the overlap loop's last batch gone."""
+        if any(r.dispatched and not r.retracted for r in self.live.values()):
+            return False
+        if self.idle_lag:
+            self.idle_lag -= 1
+            return False
+        return True
 
     @staticmethod
     async def wait_until(pred):
@@ -332,11 +449,15 @@ class FakeEngine:
         }
         if 0 <= sp["temperature"] < 1e-6:  # SGLang's greedy rewrite
             sp["temperature"], sp["top_k"] = 1.0, 1
-        seed = sp.get("sampling_seed")
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        if self.deterministic:  # sampling_batch_info: the request's seed, or 42
+            gen = torch.Generator().manual_seed(sp.get("sampling_seed", 42))
+        else:  # the seed is dropped: one engine-wide generator, order-dependent
+            gen = self.shared_gen
         r = _Req(rid, list(input_ids), sp, gen)
+        self.sampling[rid] = dict(sampling_params)
         self.live[rid] = r
         tm = self.tokenizer_manager
+        await self.alive()
         try:
             await self.wait_until(lambda: not tm.is_pause)  # the tokenizer manager's pause gate
             r.dispatched = True
@@ -349,10 +470,11 @@ class FakeEngine:
                     r.finish = {"type": "abort", "message": "Aborted"}
                     break
                 r.retracted = False
-                self._step(r)
+                await self._step(r)
                 await asyncio.sleep(self.step_s)
         finally:
             del self.live[rid]
+            self.idle_lag = 1
         self.log.append(("finish", rid, r.finish["type"], len(r.out)))
         n = len(r.out)
         spans = []
@@ -377,10 +499,25 @@ class FakeEngine:
             },
         }
 
-    @torch.no_grad()
-    def _step(self, r: _Req) -> None:
+    async def _step(self, r: _Req) -> None:
+        self.steps += 1
         if self.released & {"kv_cache", "cuda_graph"}:
-            raise RuntimeError("generating with a released KV cache: the engine would crash")
+            await self.die("CUDA error: illegal memory access (KV cache released)")
+        if self.oom_at_step is not None and self.steps >= self.oom_at_step:
+            await self.die("torch.OutOfMemoryError: CUDA out of memory (sampling)")
+        with torch.no_grad():
+            tok, logprob = self._sample(r)
+        r.out.append(tok)
+        r.logprobs.append(logprob)
+        stops = (
+            set() if r.sp.get("ignore_eos") else set(r.sp.get("stop_token_ids") or ()) | self.eos
+        )
+        if tok in stops:
+            r.finish = {"type": "stop", "matched": tok}
+        elif len(r.out) >= r.sp["max_new_tokens"]:
+            r.finish = {"type": "length", "length": len(r.out)}
+
+    def _sample(self, r: _Req) -> tuple[int, float]:
         logits = self.model(torch.tensor([r.prompt + r.out]))[0, -1].float()
         z = logits / r.sp["temperature"]
         logprobs = torch.log_softmax(z, -1)  # reported: full vocabulary, not renormalised
@@ -395,25 +532,26 @@ class FakeEngine:
             drop = order[(cum - probs[order]) > r.sp["top_p"]]
             keep[drop] = -math.inf
         tok = int(torch.multinomial(torch.softmax(keep, -1), 1, generator=r.gen))
-        r.out.append(tok)
-        r.logprobs.append(float(logprobs[tok]))
-        stops = (
-            set() if r.sp.get("ignore_eos") else set(r.sp.get("stop_token_ids") or ()) | self.eos
-        )
-        if tok in stops:
-            r.finish = {"type": "stop", "matched": tok}
-        elif len(r.out) >= r.sp["max_new_tokens"]:
-            r.finish = {"type": "length", "length": len(r.out)}
+        return tok, float(logprobs[tok])
 
     def shutdown(self):
         self.log.append(("shutdown",))
         self.closed = True
 
 
+CURRENT_API: list[SimpleNamespace] = []  # the api the backend loaded last (for FakeEngine)
+
+
 def fake_api() -> SimpleNamespace:
+    CURRENT_API[:] = [_fake_api()]
+    return CURRENT_API[0]
+
+
+def _fake_api() -> SimpleNamespace:
     return SimpleNamespace(
         Engine=FakeEngine,
         MultiprocessingSerializer=FakeSerializer,
+        monkey_patch_torch_reductions=monkey_patch_torch_reductions,
         PauseGenerationReqInput=PauseGenerationReqInput,
         ContinueGenerationReqInput=ContinueGenerationReqInput,
         BeginWeightUpdateReqInput=BeginWeightUpdateReqInput,
@@ -456,20 +594,41 @@ def model_path(tmp_path_factory) -> str:
 @pytest.fixture
 def fake(monkeypatch):
     """Use the stand-in; record the IPC-collect hook calls into the engine's log."""
-    monkeypatch.setattr(backend, "_load_sglang_api", fake_api)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
+    install_stand_in(monkeypatch.setattr)
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "SGLANG_RETURN_ORIGINAL_LOGPROB"):
+        monkeypatch.delenv(var, raising=False)
+    # a death in this process must fail the test, not end pytest 30 s later
+    monkeypatch.setattr(process_care, "DEATH_EXIT_GRACE_S", 3600.0)
+    old = signal.getsignal(signal.SIGQUIT)
+    yield FakeEngine.instances
+    signal.signal(signal.SIGQUIT, old)
+
+
+def install_stand_in(setattr_) -> None:
+    """Point the backend at the stand-in; record the trainer-side CUDA hooks into its log."""
+    setattr_(backend, "_load_sglang_api", fake_api)
+    setattr_(backend, "FLUSH_RETRY_S", 0.001)
     FakeEngine.instances.clear()
+    FakeSerializer.patched = False
 
     def ipc_collect():
         FakeEngine.instances[-1].log.append(("ipc_collect",))
 
-    monkeypatch.setattr(backend, "_cuda_ipc_collect", ipc_collect)
-    return FakeEngine.instances
+    def release_cache():
+        FakeEngine.instances[-1].log.append(("empty_cache",))
+
+    setattr_(backend, "_cuda_ipc_collect", ipc_collect)
+    setattr_(backend, "_cuda_release_cache", release_cache)
 
 
 def make_engine(model_path, publish_v0=True, **kw) -> SGLangEngine:
-    kw = {"dtype": "float32", "memory_mode": "sleep", "context_length": ARGS.max_seq_len, **kw}
+    kw = {
+        "dtype": "float32",
+        "memory_mode": "sleep",
+        "context_length": ARGS.max_seq_len,
+        "enable_deterministic_inference": True,  # seeds honoured (the protocol suite needs it)
+        **kw,
+    }
     eng = SGLangEngine(model_path, **kw)
     if publish_v0:
         eng.publish_weights(weights(0), version=0)
@@ -549,6 +708,7 @@ def test_publish_sequence_buckets_names_dtypes_and_ipc_collect(fake, model_path)
     n = len(buckets)
     assert [c[0] for c in seq] == [
         "begin_weight_update",
+        "monkey_patch_torch_reductions",  # before the first payload is serialised
         *["update_weights_from_tensor", "ipc_collect"] * n,
         "ipc_collect",  # once more after the last bucket
         "end_weight_update",
@@ -561,7 +721,8 @@ def test_publish_sequence_buckets_names_dtypes_and_ipc_collect(fake, model_path)
     assert "lm_head.weight" not in hf_names  # tied: skipped
     assert hf_names[0] == "model.embed_tokens.weight"
     for u, b in zip(updates, buckets):
-        _, names, dtypes, nbytes, load_format, flush, version = u
+        _, names, dtypes, nbytes, load_format, flush, version, patched = u
+        assert patched  # the IPC handles carry the GPU's UUID
         assert dtypes == {torch.bfloat16}  # cast to the engine dtype
         assert nbytes == sum(t.numel() * 2 for _, t in b)
         assert nbytes <= bucket_bytes // 2 or len(names) == 1  # fp32 buckets -> bf16 halves
@@ -587,19 +748,24 @@ def test_sleep_wake_ordering(fake, model_path):
     eng.generate([r])
     del f.log[:]
     eng.sleep()
-    assert calls(f) == [("release_memory_occupation", None)]  # all: weights, KV, CUDA graphs
+    assert calls(f) == [  # a flush proves the scheduler idle (it was not, once), then release all
+        ("flush_cache", False),
+        ("flush_cache", True),
+        ("release_memory_occupation", None),
+    ]
     with pytest.raises(RuntimeError, match="sleep"):
         eng.generate([r])
     with pytest.raises(RuntimeError, match="wake"):
         eng.publish_weights(weights(1), version=1)
-    eng.wake()
-    assert calls(f)[-1] == ("resume_memory_occupation", ["weights"])
+    eng.wake()  # the trainer's cached CUDA blocks go back to the driver first
+    assert calls(f)[-2:] == [("empty_cache",), ("resume_memory_occupation", ["weights"])]
     with pytest.raises(RuntimeError, match="publish_weights"):
         eng.generate([r])  # weights are garbage, KV cache still released
     del f.log[:]
     eng.publish_weights(weights(1), version=1)
-    assert [c[0] for c in calls(f) if c[0] != "ipc_collect"][-5:] == [
+    assert [c[0] for c in calls(f) if c[0] != "ipc_collect"][-6:] == [
         "update_weights_from_tensor",
+        "empty_cache",  # before the KV cache is mapped back
         "end_weight_update",
         "flush_cache",
         "update_weight_version",
@@ -736,9 +902,9 @@ def test_abort_while_paused_returns_the_streamed_prefix(fake, model_path):
     assert c == partial and c.finish_reason == "abort"
     assert len(c.token_ids) == (n // 50) * 50 >= 50
     assert c.versions == [0] * len(c.token_ids)
-    # the engine is paused again afterwards (abort let the request through to abort it)
+    # aborted where it waits: no further step, and the engine stays paused
     names = [x[0] for x in calls(f)]
-    assert names[-3:] == ["continue_generation", "abort_request", "pause_generation"]
+    assert names[-2:] == ["pause_generation", "abort_request"]
     t2, box2 = run_in_thread(lambda: eng.generate([req([1], "b", max_new_tokens=2, seed=0)]))
     time.sleep(0.05)
     assert t2.is_alive()
@@ -842,6 +1008,7 @@ def test_bad_config_raises_before_the_engine_starts(fake, model_path, kw, match)
     "var, value, match",
     [
         ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", "expandable_segments"),
+        ("PYTORCH_ALLOC_CONF", "expandable_segments:True", "PYTORCH_ALLOC_CONF"),
         ("SGLANG_RETURN_ORIGINAL_LOGPROB", "1", "temperature-1"),
     ],
 )
@@ -854,15 +1021,339 @@ def test_environment_checked_before_the_engine_starts(
     assert fake == []
 
 
-def test_seeded_top_k_needs_the_pytorch_sampling_backend(fake, model_path):
+# ----------------------------------------------------------------------------------------------
+# Seeds: honoured only with deterministic inference (R4)
+
+
+def test_seeds_are_not_sent_without_deterministic_inference(fake, model_path):
+    """SGLang drops sampling_seed unless enable_deterministic_inference: the backend says so
+    (honours_seeds False), does not send it, and runs seeded top-k / top-p requests."""
+    eng = make_engine(model_path, enable_deterministic_inference=False)
+    f = fake[-1]
+    assert eng.honours_seeds is False
+    assert f.kwargs["enable_deterministic_inference"] is False
+    r = req([1, 2], "a", temperature=1.0, top_k=5, top_p=0.9, seed=1, max_new_tokens=12)
+    (a,) = eng.generate([r])
+    (b,) = eng.generate([r])
+    assert len(a.token_ids) == 12
+    assert all("sampling_seed" not in sp for sp in f.sampling.values())
+    assert a.token_ids != b.token_ids  # the same seed does not reproduce the sample
+    eng.shutdown()
+
+
+def test_deterministic_inference_honours_seeds_and_seeds_unseeded_requests(fake, model_path):
+    eng = make_engine(model_path, enable_deterministic_inference=True, random_seed=3)
+    f = fake[-1]
+    assert eng.honours_seeds is True
+    assert f.kwargs["sampling_backend"] == "pytorch"  # what deterministic mode runs anyway
+    seeded = req([1, 2], "s", temperature=1.0, top_k=5, top_p=0.9, seed=1, max_new_tokens=12)
+    (a,) = eng.generate([seeded])
+    (b,) = eng.generate([seeded])
+    assert a.token_ids == b.token_ids
+    # SGLang gives every request without a seed the seed 42: the backend draws one per request,
+    # so n samples of one prompt differ (as the protocol promises for seed=None)
+    unseeded = [req([1, 2], f"u{i}", temperature=1.0, max_new_tokens=12) for i in range(2)]
+    u = eng.generate(unseeded)
+    assert u[0].token_ids != u[1].token_ids
+    sent = [f.sampling[rid]["sampling_seed"] for rid in f.sampling if rid.startswith("u")]
+    assert len(set(sent)) == 2
+    greedy = eng.generate([req([1, 2], "g", temperature=0.0, max_new_tokens=3)])
+    assert greedy and "sampling_seed" not in f.sampling["g#4"]
+    eng.shutdown()
+
+
+def test_deterministic_inference_refuses_another_sampling_backend(fake, model_path):
+    with pytest.raises(ValueError, match=r"engine\.sampling_backend"):
+        SGLangEngine(model_path, enable_deterministic_inference=True, sampling_backend="flashinfer")
+    assert fake == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Published names and shapes are checked before anything reaches the engine (R2)
+
+
+def test_model_args_must_match_the_engine_config(fake, model_path):
+    other = replace(ARGS, n_layers=ARGS.n_layers + 1, intermediate_size=ARGS.intermediate_size * 2)
+    with pytest.raises(ValueError, match=r"config\.json") as err:
+        SGLangEngine(model_path, model_args=other)
+    msg = str(err.value)
+    assert f"model.layers.{ARGS.n_layers}.self_attn.q_proj.weight" in msg  # not in the engine
+    assert "model.layers.0.mlp.gate_proj.weight" in msg and "shape" in msg
+    assert fake == []  # refused before the engine started
+
+
+def test_a_misspelt_name_is_refused_before_it_is_sent(fake, model_path):
+    """SGLang's Qwen3 load_weights only warns on an unknown name and keeps its dummy weights."""
+    eng = make_engine(model_path, publish_v0=False)
+    f = fake[-1]
+    buckets = weights(0)
+    name, t = buckets[1][0]
+    buckets[1][0] = (name.replace("weight", "weigth"), t)
+    with pytest.raises(ValueError, match=r"bucket 1 .*weigth is not a weight of the engine"):
+        eng.publish_weights(buckets, version=0)
+    pushed = calls(f, "update_weights_from_tensor")
+    assert len(pushed) == 1 and f.warnings == []  # bucket 0 only; nothing was skipped by SGLang
+    assert calls(f)[-1] == ("end_weight_update",)
+    with pytest.raises(RuntimeError, match="no valid weights"):
+        eng.generate([req([1], "a", max_new_tokens=2)])
+    eng.shutdown()
+
+
+def test_a_publish_must_cover_every_weight(fake, model_path):
+    eng = make_engine(model_path, publish_v0=False)
+    with pytest.raises(ValueError, match=r"did not publish .*model\.norm\.weight"):
+        eng.publish_weights(weights(0)[:-1], version=0)
+    with pytest.raises(RuntimeError, match="no valid weights"):
+        eng.generate([req([1], "a", max_new_tokens=2)])
+    eng.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# Fatal engine errors are process death: scenarios run in a child process
+
+
+def _scenario_engine(api=None, **kw) -> tuple[SGLangEngine, FakeEngine]:
+    """Build an engine on the stand-in outside pytest (for run_scenario); ``api`` replaces the
+    stand-in's SGLang names."""
+    import tempfile
+
+    install_stand_in(lambda obj, name, value: setattr(obj, name, value))
+    if api is not None:
+        backend._load_sglang_api = api
+    folder = Path(tempfile.mkdtemp())
+    cfg = hf_config_from_model_args(ARGS)
+    cfg["eos_token_id"] = EOS
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return make_engine(str(folder), **kw), FakeEngine.instances[-1]
+
+
+def scenario_paths_that_are_fatal_in_sglang() -> None:
+    """Two things that would kill the rank if they reached SGLang; the backend avoids both."""
+    eng, f = _scenario_engine()
+    # 1. releasing inside the scheduler's last-batch window (right after the last request ends)
+    eng.generate([req([1, 2], "a", max_new_tokens=3, seed=0)])
+    eng.sleep()
+    eng.wake()
+    eng.publish_weights(weights(1), version=1)
+    (c,) = eng.generate([req([1, 2], "b", max_new_tokens=3, seed=0)])
+    print(f"SLEPT AND WOKE: versions {c.versions}")
+    # 2. a wrong shape: SGLang's weight loader asserts
+    buckets = weights(2)
+    name, t = buckets[0][0]
+    buckets[0][0] = (name, t[:-1])
+    n_pushed = len(calls(f, "update_weights_from_tensor"))
+    try:
+        eng.publish_weights(buckets, version=2)
+    except ValueError as e:
+        assert len(calls(f, "update_weights_from_tensor")) == n_pushed
+        print(f"REFUSED: {e}")
+    eng.shutdown()
+
+
+def scenario_death_during_wake() -> None:
+    os.environ["RANK"] = "5"
+    eng, f = _scenario_engine()
+    eng.sleep()
+    f.fatal_on = "resume_memory_occupation"
+    eng.wake()  # the scheduler dies here; this must end the process with our traceback
+
+
+def scenario_death_during_background_generate() -> None:
+    eng, f = _scenario_engine()
+    f.oom_at_step = f.steps + 20
+    t, box = run_in_thread(lambda: eng.generate([req([1], "long", max_new_tokens=400, seed=0)]))
+    try:
+        while t.is_alive():
+            time.sleep(0.01)  # the main thread idles (training); SIGQUIT arrives here
+    except backend.SGLangEngineDied:
+        print("MAIN: SGLangEngineDied")
+    t.join(10)
+    print(f"GENERATE THREAD: {type(box.get('error')).__name__}")
+    with pytest.raises(backend.SGLangEngineDied):
+        eng.pause()
+    print("LATER CALLS: SGLangEngineDied")
+
+
+def run_with_real_pieces(structs: dict[str, type], serializer: Any) -> dict[str, Any]:
+    """The backend on the stand-in, with SGLang's real request structs and its real
+    MultiprocessingSerializer (tests/sglang_pieces.py runs this where they import)."""
+    global SERIALIZER
+
+    def real_api() -> SimpleNamespace:
+        api = _fake_api()
+        for name, cls in structs.items():
+            if hasattr(api, name):
+                setattr(api, name, cls)
+        api.MultiprocessingSerializer = serializer
+        CURRENT_API[:] = [api]
+        return api
+
+    SERIALIZER = serializer
+    eng, f = _scenario_engine(api=real_api)
+    (a,) = eng.generate([req([1, 2], "a", max_new_tokens=4, seed=0)])
+    eng.pause()
+    eng.publish_weights(weights(1), version=1)
+    eng.resume()
+    eng.sleep()
+    eng.wake()
+    eng.publish_weights(weights(2), version=2)
+    (b,) = eng.generate([req([1, 2], "b", max_new_tokens=4, seed=0)])
+    eng.shutdown()
+    equal = all(
+        torch.equal(p, dict(model_of(2).named_parameters())[n].detach().float())
+        for n, p in f.model.named_parameters()
+    )
+    return {
+        "structs": sorted(f.structs),
+        "calls": [c[0] for c in calls(f) if c[0] != "ipc_collect"],
+        "versions": [a.versions, b.versions],
+        "weights_bit_exact": equal,
+    }
+
+
+SCENARIOS = {
+    f.__name__.removeprefix("scenario_"): f
+    for f in (
+        scenario_paths_that_are_fatal_in_sglang,
+        scenario_death_during_wake,
+        scenario_death_during_background_generate,
+    )
+}
+
+
+def run_scenario(name: str) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[2]
+    code = f"from tests.unit.test_sglang_engine import SCENARIOS; SCENARIOS[{name!r}]()"
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+
+
+def test_paths_that_are_fatal_in_sglang_never_reach_it():
+    """R9: the overlap scheduler holds its last batch one more iteration after the last output;
+    a release there fails its idle assert (fatal): the backend first flushes until a flush
+    succeeds. R2: a wrong shape would fail SGLang's weight loader (fatal): the backend refuses
+    the bucket before sending it."""
+    proc = run_scenario("paths_that_are_fatal_in_sglang")
+    assert proc.returncode == 0, f"rc={proc.returncode} (-9 = SIGKILLed)\n{proc.stderr[-3000:]}"
+    assert "SLEPT AND WOKE: versions [1, 1, 1]" in proc.stdout
+    assert "REFUSED:" in proc.stdout and "model.embed_tokens.weight has shape" in proc.stdout
+    assert "Scheduler hit an exception" not in proc.stderr
+
+
+def test_engine_death_is_loud_and_names_rank_and_call():
+    proc = run_scenario("death_during_wake")
+    assert proc.returncode == 1, f"rc={proc.returncode} (-9 = SIGKILLed)\n{proc.stderr[-3000:]}"
+    err = proc.stderr
+    assert "Scheduler hit an exception" in err  # the scheduler's traceback comes first
+    line = next(x for x in err.splitlines() if x.startswith("[minippo] rank 5"))
+    assert "the SGLang engine died" in line and "wake" in line
+    assert "resume_memory_occupation(weights)" in line and "stderr just above" in line
+    assert err.index("Scheduler hit an exception") < err.index("[minippo] rank 5")
+    assert "SGLangEngineDied" in err.splitlines()[-1]  # our traceback ends the process
+
+
+def test_engine_death_reaches_every_waiting_thread():
+    proc = run_scenario("death_during_background_generate")
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stderr[-3000:]}"
+    assert "CUDA out of memory" in proc.stderr and "generate" in proc.stderr
+    for line in ("MAIN: SGLangEngineDied", "GENERATE THREAD: SGLangEngineDied", "LATER CALLS"):
+        assert line in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Allocator hygiene, timeouts, failed publishes while paused, idle races (R3, R6, R8, R9)
+
+
+def test_continue_generation_keeps_the_engine_cache(fake, model_path):
+    eng = make_engine(model_path, memory_mode="overlap")
+    eng.pause()
+    eng.resume()
+    assert calls(fake[-1], "continue_generation") == [("continue_generation", False)]
+    eng.shutdown()
+
+
+def test_tokenizer_manager_calls_time_out_naming_the_call(fake, model_path):
+    eng = make_engine(model_path, call_timeout_s=0.3)
+    fake[-1].hang_on.add("pause_generation")
+    t, box = run_in_thread(eng.pause)
+    t.join(10)
+    assert not t.is_alive(), "pause() hung: no timeout on the tokenizer-manager call"
+    assert isinstance(box.get("error"), TimeoutError)
+    assert "tokenizer_manager.pause_generation did not answer within 0.3 s" in str(box["error"])
+    fake[-1].hang_on.clear()
+    eng.shutdown()
+
+
+def test_failed_publish_while_paused_aborts_the_retracted_requests(fake, model_path):
+    """R8: the retracted requests must not resume on half-loaded weights stamped with the old
+    version; they end as aborts with the tokens sampled before the pause."""
     eng = make_engine(model_path)
-    with pytest.raises(ValueError, match="sampling_backend: pytorch"):
-        eng.generate([req([1], "a", temperature=1.0, top_k=5, seed=1, max_new_tokens=2)])
+    f = fake[-1]
+    r = req([5, 6, 7], "span", max_new_tokens=150, seed=11)
+    t, box = run_in_thread(lambda: eng.generate([r]))
+    wait_for(lambda: f.progress().get("span#0", 0) >= 55)
+    eng.pause()
+    n_pause = calls(f, "pause_generation")[0][2]["span#0"]
+
+    def half_then_fail():
+        yield weights(1)[0]
+        raise RuntimeError("all-gather failed")
+
+    with pytest.raises(RuntimeError, match="all-gather failed"):
+        eng.publish_weights(half_then_fail(), version=1)
+    eng.resume()
+    (c,) = join(t, box)
+    assert c.finish_reason == "abort" and 0 < len(c.token_ids) <= n_pause
+    assert c.versions == [0] * len(c.token_ids) and eng.version == 0
+    assert ("update_weights_from_tensor" in [x[0] for x in f.log]) and f.steps <= n_pause
     eng.shutdown()
-    eng = make_engine(model_path, sampling_backend="pytorch")
-    (c,) = eng.generate([req([1], "a", temperature=1.0, top_k=5, seed=1, max_new_tokens=2)])
-    assert len(c.token_ids) == 2
+
+
+def test_publish_right_after_a_drain_retries_the_flush(fake, model_path):
+    eng = make_engine(model_path, memory_mode="overlap")
+    f = fake[-1]
+    eng.generate([req([1, 2], "a", max_new_tokens=3, seed=0)])
+    eng.publish_weights(weights(1), version=1)
+    assert calls(f, "flush_cache")[-2:] == [("flush_cache", False), ("flush_cache", True)]
+    assert eng.version == 1
     eng.shutdown()
+
+
+def test_flush_gives_up_after_bounded_attempts(fake, model_path, monkeypatch):
+    monkeypatch.setattr(backend, "FLUSH_ATTEMPTS", 3)
+    eng = make_engine(model_path, memory_mode="overlap")
+    f = fake[-1]
+    f.idle_lag = 10**6  # never idle
+    with pytest.raises(RuntimeError, match="flush_cache after the weight update failed 3 times"):
+        eng.publish_weights(weights(1), version=1)
+    assert calls(f, "flush_cache")[-3:] == [("flush_cache", False)] * 3
+    f.idle_lag = 0
+    eng.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# The environment the engine's processes start with (R5)
+
+
+def test_engine_processes_do_not_inherit_torchrun_agent_store(fake, model_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    eng = make_engine(model_path, publish_v0=False)
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in fake[-1].spawn_env
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # restored for this process
+    eng.shutdown()
+
+
+def test_sigquit_handler_is_ours_while_the_engine_lives(fake, model_path):
+    before = signal.getsignal(signal.SIGQUIT)
+    eng = make_engine(model_path, publish_v0=False)
+    assert fake[-1].kwargs["custom_sigquit_handler"] is process_care.on_engine_death
+    assert signal.getsignal(signal.SIGQUIT) is process_care.on_engine_death
+    eng.shutdown()
+    assert signal.getsignal(signal.SIGQUIT) == before
 
 
 # ----------------------------------------------------------------------------------------------
@@ -870,19 +1361,23 @@ def test_seeded_top_k_needs_the_pytorch_sampling_backend(fake, model_path):
 
 
 def test_sampling_params_mapping():
-    assert sglang_sampling_params(SamplingParams()) == {
+    assert sglang_sampling_params(SamplingParams(), send_seed=True) == {
         "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 128, "ignore_eos": True,
     }  # fmt: skip
     sp = sglang_sampling_params(
         SamplingParams(
             temperature=0.5, top_k=4, top_p=0.9, max_new_tokens=7, stop_token_ids=(2, 3), seed=9
-        )
+        ),
+        send_seed=True,
     )
     assert sp == {
         "temperature": 0.5, "top_p": 0.9, "top_k": 4, "max_new_tokens": 7,
         "stop_token_ids": [2, 3], "sampling_seed": 9,
     }  # fmt: skip
-    assert "sampling_seed" not in sglang_sampling_params(SamplingParams(temperature=0.0, seed=1))
+    assert "sampling_seed" not in sglang_sampling_params(
+        SamplingParams(temperature=0.0, seed=1), send_seed=True
+    )
+    assert "sampling_seed" not in sglang_sampling_params(SamplingParams(seed=1), send_seed=False)
 
 
 def test_engine_ports():

@@ -4,7 +4,8 @@ rewards.
 * :class:`PromptExample`, :class:`PromptDataset`, :class:`PromptStream` (seeded epochs).
 * :func:`load_prompt_dataset` (local json/jsonl/parquet/csv or hub names), :func:`format_prompt`.
 * ``minippo.data.tasks``: toy tasks (``arithmetic_task``, ``digit_task``) for tiny models.
-* ``minippo.data.rewards``: ``ExactMatch``, ``PerPositionMatch``, ``MathAnswerMatch``.
+* ``minippo.data.rewards``: ``ExactMatch``, ``PerPositionMatch``, ``MathAnswerMatch`` (math answers,
+  checked by math-verify with numeric fast paths).
 * ``minippo.data.samples``: small data files (``SAMPLES_DIR``) for tests and smoke runs.
 """
 

@@ -3,7 +3,8 @@
 ``load_prompt_dataset`` reads rows with ``datasets.load_dataset``:
 
 * local files: ``source: json`` (also .jsonl), ``parquet`` or ``csv`` with ``data_files: <path or
-  list>``; this is what the tests use (``minippo/data/samples/``).
+  list>``, or ``source: <path to one .parquet/.jsonl/.json/.csv file>``; this is what the tests
+  use (``minippo/data/samples/``).
 * the hub: ``source: openai/gsm8k`` (``name: main``) or ``BytedTsinghua-SIA/DAPO-Math-17k``; this
   needs network access on first use (then the HF cache), or download first with
   ``huggingface-cli download --repo-type dataset <name> --local-dir <dir>`` and point
@@ -11,13 +12,16 @@
 
 Each row gives a prompt (``prompt_key``: a string, or a list of ``{"role", "content"}`` messages
 as in DAPO-Math) and a reference answer (``answer_key``); keys may be dotted paths into nested
-fields (``reward_model.ground_truth``). Prompts go through :func:`format_prompt`.
+fields (``reward_model.ground_truth``). Both keys are checked on the first row: a missing one is
+a ValueError naming it and listing the fields the rows have. Prompts go through
+:func:`format_prompt`. The keys of GSM8K, MATH and DAPO-Math are in docs/data.md.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from minippo.data.prompts import PromptDataset, PromptExample
@@ -25,6 +29,9 @@ from minippo.data.prompts import PromptDataset, PromptExample
 log = logging.getLogger(__name__)
 
 _FILE_FORMATS = ("json", "jsonl", "parquet", "csv", "text", "arrow")
+# a source that is one file: its format from the suffix
+_SUFFIX_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+_SUFFIX_FORMATS |= {".arrow": "arrow", ".txt": "text"}
 
 
 def format_prompt(
@@ -80,16 +87,23 @@ def format_prompt(
     return prefix + template.format(prompt=text)
 
 
-def _get(row: Mapping[str, Any], key: str, what: str) -> Any:
-    """``row[key]`` where ``key`` may be a dotted path ``a.b.c``."""
+def _get(row: Mapping[str, Any], key: str, what: str, source: str = "the rows") -> Any:
+    """``row[key]`` where ``key`` may be a dotted path ``a.b.c``; a ValueError naming ``what``
+    (``prompt_key`` / ``answer_key``) and listing the fields there are when one is missing."""
     value: Any = row
+    path: list[str] = []
     for part in key.split("."):
         if not isinstance(value, Mapping) or part not in value:
-            have = sorted(value) if isinstance(value, Mapping) else type(value).__name__
-            raise KeyError(
-                f"{what}={key!r}: no field {part!r} in the row (fields: {have}); set "
-                f"{what} to one of them"
+            where = f"in {'.'.join(path)!r} " if path else ""
+            if isinstance(value, Mapping):
+                have = f"its fields: {', '.join(map(str, value))}"
+            else:
+                have = f"{'.'.join(path)!r} is a {type(value).__name__}, not a record"
+            raise ValueError(
+                f"{what}={key!r}: {source} have no field {part!r} {where}({have}); set {what} "
+                f"to one of them"
             )
+        path.append(part)
         value = value[part]
     return value
 
@@ -103,11 +117,16 @@ def load_rows(
 ) -> Any:
     """A ``datasets.Dataset``: ``load_dataset(source, name, data_files=..., split=...)``.
 
-    ``source`` is a file format (``json``/``jsonl``/``parquet``/``csv``) with ``data_files``, a
-    local folder, or a hub dataset name.
+    ``source`` is a file format (``json``/``jsonl``/``parquet``/``csv``) with ``data_files``, the
+    path of one such file (format from its suffix), a local folder, or a hub dataset name.
     """
     import datasets
 
+    suffix = Path(source).suffix.lower()
+    if data_files is None and suffix in _SUFFIX_FORMATS:
+        if not Path(source).is_file():
+            raise FileNotFoundError(f"source={source!r}: no such file")
+        source, data_files = _SUFFIX_FORMATS[suffix], source
     if source in _FILE_FORMATS and data_files is None:
         raise ValueError(
             f"source={source!r} reads local files: set data_files to a path (or a list of paths)"
@@ -166,12 +185,17 @@ def load_prompt_dataset(
     if num_examples is not None and num_examples < 1:
         raise ValueError(f"num_examples must be >= 1 or null, got {num_examples}")
     rows = load_rows(source, data_files=data_files, name=name, split=split)
+    what = f"the rows of {data_files if data_files is not None else source} ({split!r})"
+    if len(rows) == 0:
+        raise ValueError(f"{what} are empty: check source, data_files and split")
+    for key, role in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
+        _get(rows[0], key, role, what)  # a missing key fails here, before any tokenizing
     examples: list[PromptExample] = []
     dropped = 0
     for row in rows:
         text = format_prompt(
             tokenizer,
-            _get(row, prompt_key, "prompt_key"),
+            _get(row, prompt_key, "prompt_key", what),
             template=template,
             system_prompt=system_prompt,
             prompt_suffix=prompt_suffix,
@@ -181,7 +205,7 @@ def load_prompt_dataset(
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             dropped += 1
             continue
-        answer = str(_get(row, answer_key, "answer_key"))
+        answer = str(_get(row, answer_key, "answer_key", what))
         examples.append(PromptExample(len(examples), tuple(ids), text, answer))
         if num_examples is not None and len(examples) >= num_examples:
             break

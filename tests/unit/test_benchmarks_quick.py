@@ -34,10 +34,11 @@ MARKERS = {
     "correction_cost.py": ["EWMA update", "snapshot save"],
     "logprob_memory.py": ["| naive |", "| chunked |"],
     "host_memory.py": ["| meta + per-tensor load | 1 |", "ratio (peak - baseline)"],
+    "reward_speed.py": ["| numbers | 1000 |", "| latex | 1000 |", "s per 10,000"],
 }
 # Quick modes slower than ~20 s on an unloaded 2-core machine. Measured at load ~1 (seconds):
 # corrections_study 12, perf 18, memory 13, engine_throughput 8.5, correction_cost 11,
-# logprob_memory 11 (default total ~73 s); optimizer_memory 28 (slow).
+# logprob_memory 11, reward_speed 8 (at load 5) (default total ~81 s); optimizer_memory 28 (slow).
 SLOW = {"optimizer_memory.py"}
 TIMEOUT_S = 900
 

@@ -135,10 +135,55 @@ def test_length_filter_and_errors(tmp_path):
             template="plain",
             max_prompt_tokens=1,
         )
-    with pytest.raises(KeyError, match="prompt_key='question': no field 'question'"):
+    with pytest.raises(ValueError, match=r"prompt_key='question': .* no field 'question'"):
         load_prompt_dataset(tok, source="json", data_files=str(path), template="plain")
     with pytest.raises(ValueError, match="set data_files"):
         load_prompt_dataset(tok, source="parquet")
+
+
+def test_a_missing_key_names_it_and_lists_the_fields(tmp_path):
+    import datasets
+
+    tok = TinyTokenizer()
+    jsonl = tmp_path / "qa.jsonl"
+    jsonl.write_text(json.dumps({"problem": "1+1", "solution": "2"}) + "\n")
+    with pytest.raises(ValueError) as err:
+        load_prompt_dataset(tok, source="jsonl", data_files=str(jsonl), template="plain")
+    msg = str(err.value)
+    assert msg.startswith("prompt_key='question': the rows of ") and str(jsonl) in msg
+    assert "no field 'question' (its fields: problem, solution)" in msg
+    assert msg.endswith("set prompt_key to one of them")
+    with pytest.raises(
+        ValueError, match=r"answer_key='answer': .*\(its fields: problem, solution\)"
+    ):
+        load_prompt_dataset(
+            tok, source="jsonl", data_files=str(jsonl), prompt_key="problem", template="plain"
+        )
+
+    # nested keys (DAPO-Math's reward_model.ground_truth), in a parquet file
+    parquet = tmp_path / "dapo.parquet"
+    rows = [{"prompt": "2+2", "reward_model": {"style": "rule", "truth": "4"}}]
+    datasets.Dataset.from_list(rows).to_parquet(str(parquet))
+    kw = {"prompt_key": "prompt", "template": "plain"}
+    with pytest.raises(
+        ValueError,
+        match=r"answer_key='reward_model.ground_truth': .* no field 'ground_truth' in "
+        r"'reward_model' \(its fields: style, truth\)",
+    ):
+        load_prompt_dataset(
+            tok,
+            source="parquet",
+            data_files=str(parquet),
+            answer_key="reward_model.ground_truth",
+            **kw,
+        )
+    with pytest.raises(ValueError, match=r"'prompt' is a str, not a record"):
+        load_prompt_dataset(tok, source=str(parquet), answer_key="prompt.text", **kw)
+    # the right keys load, with the source given as the file's path
+    ds = load_prompt_dataset(tok, source=str(parquet), answer_key="reward_model.truth", **kw)
+    assert [(e.prompt, e.answer) for e in ds] == [("2+2", "4")]
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_prompt_dataset(tok, source=str(tmp_path / "missing.parquet"), **kw)
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,8 @@ from minippo.data.rewards import last_boxed, normalize_answer
         (r"the value is \boxed 7 apples", "7"),
         ("Step 1 ...\n#### 1,234", "1,234"),
         ("work\n#### 5\nextra #### 6", "6"),
-        ("So the answer is -3.", "-3."),
-        ("The final answer is: $\\frac{3}{4}$", "$\\frac{3}{4}$"),
+        ("So the answer is -3.", "-3"),  # the sentence's period is not part of the answer
+        ("The final answer is: $\\frac{3}{4}$", "\\frac{3}{4}"),
         ("lines\nAnswer: 17", "17"),
         (r"Answer: \boxed{9}", "9"),
         ("no answer here", None),

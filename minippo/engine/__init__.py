@@ -12,7 +12,7 @@ from minippo.engine.protocol import (
     compute_dtype,
     validate_requests,
 )
-from minippo.engine.sglang_engine import SGLangEngine
+from minippo.engine.sglang_engine import SGLangEngine, SGLangEngineDied
 from minippo.engine.torch_engine import TorchEngine
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "GenerateRequest",
     "RolloutEngine",
     "SGLangEngine",
+    "SGLangEngineDied",
     "SamplingParams",
     "TorchEngine",
     "WeightBucket",

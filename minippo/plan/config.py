@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +60,47 @@ def _select(cfg: DictConfig, key: str, default: Any = _REQUIRED) -> Any:
     return default
 
 
+# The size builders of minippo.models, by the name of the released checkpoint folder they match.
+SIZE_BUILDERS = (
+    "qwen3_0_6b",
+    "qwen3_1_7b",
+    "qwen3_4b",
+    "qwen3_8b",
+    "qwen2_5_0_5b",
+    "llama3_2_1b",
+)
+
+
+def builder_for_folder(path: Any) -> str | None:
+    """The size builder whose name matches an HF folder's name ("Qwen3-0.6B" -> qwen3_0_6b)."""
+    name = Path(str(path)).name.lower().replace("-", "_").replace(".", "_")
+    name = name.replace("llama_3_2", "llama3_2")
+    return name if name in SIZE_BUILDERS else None
+
+
 def _args_from_hf_folder(path: Any, key: str) -> Any:
+    """ModelArgs from ``path/config.json``; when the folder is not downloaded yet but its name is
+    a released size (``/models/Qwen3-0.6B``), from that size's builder, saying so."""
+    from minippo import models
     from minippo.models import model_args_from_hf_config
 
     cfg_file = Path(str(path)) / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(
-            f"memory plan: {key}={path!r} has no config.json (only config.json is read, no "
-            "weights); download the model there, or plan from a size builder instead: "
-            f"{key}=null 'model={{_component_: minippo.models.qwen3_4b}}'"
+    if cfg_file.is_file():
+        return model_args_from_hf_config(json.loads(cfg_file.read_text()))
+    builder = builder_for_folder(path)
+    if builder is not None:
+        print(
+            f"memory plan: {key}={path} is not downloaded; planning the shape of "
+            f"minippo.models.{builder}, the size its name gives",
+            file=sys.stderr,
         )
-    return model_args_from_hf_config(json.loads(cfg_file.read_text()))
+        return getattr(models, builder)()
+    raise ConfigError(
+        f"memory plan: {key}={path!r} has no config.json (only config.json is read, no "
+        "weights); download the model there, or plan from a size builder instead: "
+        f"{key}=null 'model={{_component_: minippo.models.<size>}}' with <size> one of "
+        f"{', '.join(SIZE_BUILDERS)}"
+    )
 
 
 def _args_from_builder(node: Any, key: str) -> Any:

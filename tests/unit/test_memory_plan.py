@@ -638,3 +638,24 @@ def test_plan_inputs_need_the_recipe_keys():
         plan_inputs_from_config(cfg)
     with pytest.raises(ValueError, match="advantage_estimator must be one of"):
         plan_inputs_from_config(_run_cfg(advantage_estimator="rloo"))
+
+
+def test_a_released_size_is_planned_without_its_download(tmp_path, capsys):
+    from minippo.plan.config import builder_for_folder
+
+    assert builder_for_folder("/models/Qwen3-0.6B") == "qwen3_0_6b"
+    assert builder_for_folder("/m/Qwen2.5-0.5B") == "qwen2_5_0_5b"
+    assert builder_for_folder("/m/Llama-3.2-1B") == "llama3_2_1b"
+    assert builder_for_folder(tmp_path / "my-model") is None
+    from minippo.config import load_config
+    from minippo.models import qwen3_0_6b
+    from minippo.plan.config import plan_inputs_from_config
+
+    cfg = load_config("qwen3_0_6b_gsm8k_1gpu", [])
+    inputs = plan_inputs_from_config(cfg)
+    assert inputs.actor == qwen3_0_6b()
+    assert "planning the shape of minippo.models.qwen3_0_6b" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="qwen3_0_6b, qwen3_1_7b"):
+        plan_inputs_from_config(
+            load_config("qwen3_0_6b_gsm8k_1gpu", [f"checkpoint_path={tmp_path}"])
+        )

@@ -421,7 +421,7 @@ def test_missing_or_bad_keys_are_named():
     with pytest.raises(ConfigError, match=r"dataset\.max_prompt_tokens"):
         plan_from_config(cfg)
     with pytest.raises(ConfigError, match=r"has no config\.json"):
-        plan_from_config(_run_cfg(checkpoint_path="/nonexistent/Qwen3-4B"))
+        plan_from_config(_run_cfg(checkpoint_path="/nonexistent/my-model"))  # no released size
     with pytest.raises(ConfigError, match="no model of this optimizer"):
         plan_from_config(_run_cfg(optimizer={"_component_": "torch.optim.SGD"}))
     with pytest.raises(ConfigError, match="dtype='float8'"):

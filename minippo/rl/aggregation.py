@@ -12,6 +12,9 @@ ranks), passed in as ``global_tokens`` / ``global_seqs``. Each call then returns
 contribution, and the contributions of all micro-batches and ranks SUM to the full-batch value
 (the per-sequence token count Σ_t m of seq-mean-token-mean is always complete, because a row is
 never split across micro-batches). See docs/rl.md for what to pass under FSDP.
+
+Why ``torch.distributed`` is imported here: ``global_counts`` all-reduces the counts of a
+minibatch over the ranks, which is what makes the denominators global.
 """
 
 from __future__ import annotations

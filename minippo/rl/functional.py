@@ -3,6 +3,10 @@
 Conventions: ``mask`` is a ``[B, R]`` (or any shape matching ``x``) tensor that is 1.0 on real
 response tokens and 0.0 on padding; it is read as a boolean (``mask > 0``), so masked-out entries
 never enter a sum even when they hold ``inf`` or ``nan``.
+
+Why ``torch.distributed`` is imported here: ``masked_whiten`` normalises with the statistics of
+all ranks (Σx, Σx², n all-reduced) when a process group exists, so that whitened advantages do not
+depend on how the batch is split over ranks.
 """
 
 from __future__ import annotations

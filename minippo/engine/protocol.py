@@ -33,14 +33,30 @@ Concurrency contract (both backends):
     * ``abort()`` stops every in-flight request and returns their partial completions with
       ``finish_reason == "abort"``; the blocked ``generate`` calls return the same partial
       completions.
-    * ``sleep()`` / ``wake()`` release and restore accelerator memory (no-ops on CPU). ``sleep``
-      requires an idle engine (no in-flight requests).
+    * ``stream(requests, until_groups=k)`` yields completions as they finish, and with ``k`` stops
+      the rest once ``k`` groups are complete (below). It may run beside ``generate`` calls.
+    * ``sleep()`` / ``wake()`` release and restore the engine's memory (SGLang: the GPU's weights,
+      KV cache and CUDA graphs; TorchEngine: its packed kernel weights on CPU, its model on a GPU).
+      ``sleep`` requires an idle engine (no in-flight requests).
+
+Streaming groups (what ``rollout.mode: alternate`` runs on). A request may name a ``group``; the
+requests sharing one form a group (a request without one is a group of its own). ``stream``
+yields each completion the moment it finishes (finishing order; requests that finish in the same
+step come in request order). With ``until_groups=k``, once ``k`` groups of the call have every
+request finished, the engine stops the call's other requests and yields them last, in request
+order, as partial completions (``finish_reason == "abort"``; their tokens, logprobs and versions
+so far are kept, and a request that never started has none). TorchEngine stops after the very
+decode step that completed the ``k``-th group, so a seeded run is reproducible; SGLang stops them
+as soon as its loop sees that completion (a few more tokens may come, each with its exact
+version). A partial completion is continued later as a new request whose prompt is the old prompt
+plus the generated tokens (what slime and miles call partial rollout): the engine keeps nothing
+between calls, so it can sleep in between. Closing the iterator early aborts what is left.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -119,11 +135,14 @@ class GenerateRequest:
         prompt_ids: the prompt's token ids (unpadded), at least one.
         params:     sampling parameters.
         request_id: unique among the requests in flight; the completion carries it back.
+        group:      requests of one ``stream`` call with the same group complete together (see
+                    "Streaming groups"); None: the request is a group of its own.
     """
 
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
+    group: str | None = None
 
 
 @dataclass
@@ -237,6 +256,13 @@ class RolloutEngine(Protocol):
         """Complete every request; block until done. Completions are in request order."""
         ...
 
+    def stream(
+        self, requests: Sequence[GenerateRequest], *, until_groups: int | None = None
+    ) -> Iterator[Completion]:
+        """Yield completions as they finish; with ``until_groups=k`` stop the rest once ``k``
+        groups are complete and yield them as partial completions (module docstring)."""
+        ...
+
     def publish_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Load new weights, given as buckets of (HF name, full tensor); then set ``version``.
 
@@ -272,3 +298,31 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None:
         """Stop the engine and its processes; idempotent."""
         ...
+
+
+class GroupCounter:
+    """When a ``stream(requests, until_groups=k)`` call must stop (both backends use it).
+
+    ``finish(i)`` records that request ``i`` of the call finished and returns True once ``k``
+    groups have every request finished (``k`` None: never; the call runs to the end)."""
+
+    def __init__(self, requests: Sequence[GenerateRequest], until_groups: int | None) -> None:
+        if until_groups is not None and (
+            not isinstance(until_groups, int) or isinstance(until_groups, bool) or until_groups < 1
+        ):
+            raise ValueError(f"until_groups must be an integer >= 1 or None, got {until_groups!r}")
+        self.until_groups = until_groups
+        self._group_of: list[object] = [
+            r.group if r.group is not None else ("request", i) for i, r in enumerate(requests)
+        ]
+        self._left: dict[object, int] = {}
+        for key in self._group_of:
+            self._left[key] = self._left.get(key, 0) + 1
+        self.complete = 0
+
+    def finish(self, index: int) -> bool:
+        key = self._group_of[index]
+        self._left[key] -= 1
+        if self._left[key] == 0:
+            self.complete += 1
+        return self.until_groups is not None and self.complete >= self.until_groups

@@ -62,6 +62,10 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
     "engine": Component({"dtype": Dtype(), "max_batch_size": Int(min=1)}),
     "rollout": Section(
         {
+            "mode": Str(("alternate", "overlap"), optional=True),
+            "oversample": Float(min=1, optional=True),
+            "offload_trainer": Bool(optional=True),
+            "share_gpu_with_engine": Bool(optional=True),
             "max_staleness": Int(min=0),
             "partial_rollout": Bool(),
             "groups_per_batch": Int(min=1),

@@ -59,6 +59,9 @@ class EngineHarness:
         long_tokens:        max_new_tokens of a request that is still running ~50 ms after it
                             was submitted (for the pause and abort tests); must fit max_seq_len.
         prompt:             a valid prompt.
+        exact_stops:        ``stream(..., until_groups=k)`` stops the other requests right after the
+                            decode step that completed the k-th group (TorchEngine); False: a few
+                            more tokens may come (SGLang stops them when its loop sees it).
         mu_draws:           draws per sampling setting of the sampling-distribution check
                             (``test_sampled_frequencies_match_reported_logprobs``): that many
                             seeded one-token requests, all in one ``generate`` call; 0 skips the
@@ -74,6 +77,7 @@ class EngineHarness:
     batch_invariant: bool = True
     long_tokens: int = 400
     prompt: tuple[int, ...] = (1, 2, 3)
+    exact_stops: bool = True
     mu_draws: int = 0
 
 
@@ -392,6 +396,75 @@ class EngineProtocolSuite:
             for c, r in zip(outs, rs):
                 check_completion(c, r, harness.vocab_size)
                 assert c.finish_reason == "length"
+
+    def test_stream_yields_completions_in_finishing_order(self, engine, harness):
+        lengths = [5, 2, 8, 3]
+        reqs = [req(harness.prompt, f"r{n}", max_new_tokens=n, seed=n) for n in lengths]
+        outs = list(engine.stream(reqs))
+        assert [c.request_id for c in outs] == ["r2", "r3", "r5", "r8"]
+        by_id = {r.request_id: r for r in reqs}
+        for c in outs:
+            check_completion(c, by_id[c.request_id], harness.vocab_size)
+            assert c.finish_reason == "length" and c.versions == [0] * len(c.token_ids)
+
+    def _grouped(self, harness, tail_tokens: int) -> list[GenerateRequest]:
+        """Groups a (2 and 3 tokens), b (4 and 5 tokens), c (one long request)."""
+        spec = [("a", 2), ("a", 3), ("b", 4), ("b", 5), ("c", tail_tokens)]
+        return [
+            GenerateRequest(
+                list(harness.prompt),
+                SamplingParams(max_new_tokens=n, seed=i),
+                request_id=f"{g}{i}",
+                group=g,
+            )
+            for i, (g, n) in enumerate(spec)
+        ]
+
+    def test_stream_until_groups_stops_the_rest_as_partials(self, engine, harness):
+        reqs = self._grouped(harness, tail_tokens=harness.long_tokens)
+        outs = list(engine.stream(reqs, until_groups=2))
+        assert [c.request_id for c in outs] == ["a0", "a1", "b2", "b3", "c4"]
+        assert [c.finish_reason for c in outs] == ["length"] * 4 + ["abort"]
+        for c, r in zip(outs, reqs):
+            check_completion(c, r, harness.vocab_size)
+        tail = outs[-1]
+        assert len(tail.token_ids) < harness.long_tokens
+        if harness.exact_stops:  # stopped after the step that completed group b
+            assert len(tail.token_ids) == 5
+            again = list(engine.stream(self._grouped(harness, harness.long_tokens), until_groups=2))
+            assert [c.token_ids for c in again] == [c.token_ids for c in outs]
+        engine.sleep()  # nothing of the call is left in flight
+        engine.wake()
+
+    def test_stream_until_more_groups_than_exist_runs_to_the_end(self, engine, harness):
+        outs = list(engine.stream(self._grouped(harness, tail_tokens=6), until_groups=5))
+        assert [c.finish_reason for c in outs] == ["length"] * 5
+
+    def test_stream_closed_early_stops_the_rest(self, engine, harness):
+        reqs = [req(harness.prompt, "short", max_new_tokens=1, seed=0)] + [
+            req(harness.prompt, f"long{i}", max_new_tokens=harness.long_tokens, seed=i)
+            for i in range(2)
+        ]
+        it = engine.stream(reqs)
+        assert next(it).request_id == "short"
+        it.close()
+        deadline = time.monotonic() + 30
+        while True:  # the engine becomes idle (an SGLang abort may take a moment to land)
+            try:
+                engine.sleep()
+                break
+            except RuntimeError:
+                assert time.monotonic() < deadline, "the closed stream kept generating"
+                time.sleep(0.05)
+        engine.wake()
+        (c,) = engine.generate([req(harness.prompt, "after", max_new_tokens=2, seed=0)])
+        assert c.finish_reason == "length"
+
+    def test_stream_refuses_bad_input_before_generating(self, engine, harness):
+        with pytest.raises(ValueError, match="until_groups"):
+            engine.stream([req(harness.prompt, "a", max_new_tokens=2)], until_groups=0)
+        with pytest.raises(ValueError, match="twice"):
+            engine.stream([req(harness.prompt, "a"), req(harness.prompt, "a")])
 
     def test_sleep_wake(self, engine, harness):
         engine.sleep()

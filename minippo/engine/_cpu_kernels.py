@@ -40,6 +40,10 @@ class PackedLinear(nn.Module):
     def repack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
 
+    def drop(self) -> None:
+        """Free the packed copy (the engine sleeps); ``repack()`` restores it."""
+        self.packed = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features]."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

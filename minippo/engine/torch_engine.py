@@ -40,7 +40,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -53,6 +53,7 @@ from minippo.engine._cpu_kernels import onednn_linear_available, pack_linears
 from minippo.engine.protocol import (
     Completion,
     GenerateRequest,
+    GroupCounter,
     WeightBucket,
     compute_dtype,
     validate_requests,
@@ -84,6 +85,7 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    sent: bool = False  # a stream row: already yielded
 
     def completion(self) -> Completion:
         return Completion(
@@ -94,6 +96,14 @@ class _Row:
             versions=self.versions,
             finish_reason=self.finish_reason or "abort",  # type: ignore[arg-type]
         )
+
+
+@dataclass
+class _Stream:
+    """One ``stream`` call: its rows in request order and when it stops."""
+
+    rows: list[_Row]
+    counter: GroupCounter
 
 
 class _Abort(Exception):
@@ -151,12 +161,23 @@ class _Server:
         self.waiting: list[_Row] = []
         self.active: list[_Row] = []  # rows of the running wave
         self.calls: dict[int, list[_Row]] = {}  # generate call -> its rows in request order
+        self.streams: dict[int, _Stream] = {}  # stream call -> its rows and stop rule
         self.paused = False
+        self.asleep = False
         self.stale_cache = False
         self.running = True
-        self.stats = {"waves": 0, "decode_steps": 0, "row_steps": 0, "reprefills": 0}
+        self.stats = {
+            "waves": 0,
+            "decode_steps": 0,
+            "row_steps": 0,
+            "reprefills": 0,
+            "sleeps": 0,
+            "wakes": 0,
+        }
         self.handlers: dict[str, Callable[[int, Any], Any]] = {
             "generate": self._on_generate,
+            "stream": self._on_stream,
+            "stream_cancel": self._on_stream_cancel,
             "pause": self._on_pause,
             "resume": self._on_resume,
             "publish_begin": self._publish,
@@ -207,16 +228,34 @@ class _Server:
         except Exception:
             self.outbox.put(("error", call_id, traceback.format_exc()))
 
-    def _on_generate(self, call_id: int, requests: list[GenerateRequest]) -> object:
+    def _rows(self, call_id: int, requests: list[GenerateRequest]) -> list[_Row]:
+        if self.asleep:
+            raise RuntimeError("the engine is asleep: call wake() before generating")
         rows = []
         for req in requests:
             seed = req.params.seed
             if seed is None:
                 seed = self.seed_rng.randrange(1 << 62)
             rows.append(_Row(req, call_id, seed))
-        self.calls[call_id] = rows
         self.waiting.extend(rows)
+        return rows
+
+    def _on_generate(self, call_id: int, requests: list[GenerateRequest]) -> object:
+        self.calls[call_id] = self._rows(call_id, requests)
         return _LATER  # replied when all rows finish
+
+    def _on_stream(self, call_id: int, payload: tuple[list[GenerateRequest], int | None]) -> object:
+        requests, until_groups = payload
+        counter = GroupCounter(requests, until_groups)
+        self.streams[call_id] = _Stream(self._rows(call_id, requests), counter)
+        return _LATER  # parts are sent as rows finish, then the closing reply
+
+    def _on_stream_cancel(self, call_id: int, stream_id: int) -> None:
+        """The caller closed the stream early: stop what is left of it."""
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            self._stop_rows(stream.rows)
+            self._finish_calls()
 
     def _on_pause(self, call_id: int, _: None) -> None:
         self.paused = True
@@ -235,7 +274,11 @@ class _Server:
         weights partly updated and the version unchanged: publish again. Until every parameter
         has been sent once, a publish fails too (the engine starts with uninitialised weights).
         """
-        error: Exception | None = None
+        error: Exception | None = (
+            RuntimeError("publish_weights() while the engine sleeps: call wake() first")
+            if self.asleep
+            else None
+        )
         while True:
             kind, cid, payload = self.inbox.get()
             if kind == "publish_end" and cid == call_id:
@@ -279,19 +322,60 @@ class _Server:
             self.unfilled.discard(self.canonical[native])
 
     def _sleep_wake(self, kind: str) -> None:
-        if self.active or self.waiting:
-            raise RuntimeError(f"{kind}() needs an idle engine; abort or wait for requests first")
-        if self.device.type == "cuda":
-            if kind == "sleep":
+        """sleep: drop the packed kernel weights (a second copy of every linear weight; the KV
+        cache lives only while a wave runs) and move a GPU model to the host; wake: undo."""
+        if kind == "sleep" and (self.active or self.waiting):
+            raise RuntimeError("sleep() needs an idle engine; abort or wait for requests first")
+        if kind == "sleep" and not self.asleep:
+            for layer in self.packed:
+                layer.drop()
+            if self.device.type == "cuda":
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
-            else:
+        elif kind == "wake" and self.asleep:
+            if self.device.type == "cuda":
                 self.model.to(self.device)
-            self.params = dict(self.model.named_parameters(remove_duplicate=False))
+            for layer in self.packed:
+                layer.repack()
+        else:
+            return
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.asleep = kind == "sleep"
+        self.stats[f"{kind}s"] += 1
+
+    def _stop_rows(self, rows: list[_Row]) -> None:
+        """End ``rows`` that have not finished as partial completions ("abort")."""
+        stopped = {id(r) for r in rows if r.finish_reason is None}
+        for r in rows:
+            if id(r) in stopped:
+                r.finish_reason = "abort"
+        self.waiting = [r for r in self.waiting if id(r) not in stopped]
 
     def _finish_calls(self) -> None:
+        """Reply to the generate calls whose rows all finished; send each stream the rows that
+        finished since the last call (request order), and close the streams that are done."""
         for call_id in [c for c, rows in self.calls.items() if all(r.finish_reason for r in rows)]:
             self._reply(call_id, [r.completion() for r in self.calls.pop(call_id)])
+        for call_id, stream in list(self.streams.items()):
+            done = [
+                (i, r)
+                for i, r in enumerate(stream.rows)
+                if not r.sent and r.finish_reason in ("stop", "length")
+            ]
+            if done:
+                self.outbox.put(("part", call_id, [r.completion() for _, r in done]))
+                for i, r in done:
+                    r.sent = True
+                    if stream.counter.finish(i):  # enough complete groups: stop the others
+                        self._stop_rows(stream.rows)
+            stopped = [r for r in stream.rows if not r.sent and r.finish_reason == "abort"]
+            if stopped:
+                self.outbox.put(("part", call_id, [r.completion() for r in stopped]))
+                for r in stopped:
+                    r.sent = True
+            if all(r.sent for r in stream.rows):
+                del self.streams[call_id]
+                self._reply(call_id, None)
 
     def _abort_all(self) -> list[Completion]:
         rows = [r for r in self.active + self.waiting if r.finish_reason is None]
@@ -318,6 +402,7 @@ class _Server:
             msg = traceback.format_exc()
             for call_id in {r.call_id for r in rows}:
                 self.calls.pop(call_id, None)
+                self.streams.pop(call_id, None)
                 self.outbox.put(("error", call_id, msg))
             for r in rows:
                 r.finish_reason = r.finish_reason or "abort"
@@ -594,6 +679,57 @@ class TorchEngine:
             return []
         return self._call("generate", requests)
 
+    def stream(
+        self, requests: Sequence[GenerateRequest], *, until_groups: int | None = None
+    ) -> Iterator[Completion]:
+        """Yield completions as they finish; with ``until_groups=k``, the engine stops the call's
+        other requests after the decode step that completed the ``k``-th group and yields them
+        last as partial completions (the protocol's "Streaming groups"). Validated before
+        anything is sent; closing the iterator early stops what is left of the call."""
+        requests = list(requests)
+        validate_requests(requests, max_seq_len=self.max_seq_len, vocab_size=self.args.vocab_size)
+        GroupCounter(requests, until_groups)  # checks until_groups
+        if not self._has_weights:
+            raise RuntimeError(
+                "no weights published yet: TorchEngine is built empty from the model config; "
+                "call publish_weights(...) before stream"
+            )
+        return self._stream(requests, until_groups) if requests else iter(())
+
+    def _stream(self, requests: list[GenerateRequest], until_groups: int | None):
+        cid, parts = self._open_call(queue_lib.Queue())
+        self._send("stream", cid, (requests, until_groups))
+        ended = False
+        try:
+            while True:
+                status, result = self._next_part(cid, parts)
+                if status == "ok":
+                    ended = True
+                    return
+                yield from result
+        finally:
+            if not ended and not self._closed:
+                with contextlib.suppress(Exception):
+                    self._call("stream_cancel", cid)
+            with self._lock:
+                self._pending.pop(cid, None)
+
+    def _next_part(self, cid: int, parts: queue_lib.Queue) -> tuple[str, Any]:
+        """The next message of stream ``cid``; raises if the engine fails or dies."""
+        while True:
+            try:
+                status, result = parts.get(timeout=1.0)
+            except queue_lib.Empty:
+                if self._process is not None and not self._process.is_alive():
+                    code = self._process.exitcode
+                    raise RuntimeError(f"the engine process died (exit code {code})") from None
+                if self._closed:
+                    raise RuntimeError("the engine was shut down") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"engine error:\n{result}")
+            return status, result
+
     def publish_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Copy (HF or native name, tensor) buckets into the engine's weights; stamp ``version``.
 
@@ -670,7 +806,9 @@ class TorchEngine:
         self._finalizer.detach()
         with self._lock:
             for reply in self._pending.values():
-                if not reply.done():
+                if isinstance(reply, queue_lib.Queue):
+                    reply.put(("error", "the engine was shut down"))
+                elif not reply.done():
                     reply.set_exception(RuntimeError("the engine was shut down"))
 
     def __enter__(self) -> TorchEngine:
@@ -680,10 +818,11 @@ class TorchEngine:
         self.shutdown()
 
     # -- messaging ---------------------------------------------------------------------------------
-    def _open_call(self) -> tuple[int, Future]:
+    def _open_call(self, reply: Future | queue_lib.Queue | None = None) -> tuple[int, Any]:
+        """A new call id and where its reply lands: a Future, or a Queue for a stream's parts."""
         if self._closed:
             raise RuntimeError("the engine was shut down")
-        reply: Future = Future()
+        reply = Future() if reply is None else reply
         with self._lock:
             cid = next(self._ids)
             self._pending[cid] = reply
@@ -742,6 +881,9 @@ class TorchEngine:
                 return
             with self._lock:
                 reply = self._pending.get(cid)
+                if isinstance(reply, queue_lib.Queue):  # a stream: its parts, then the end
+                    reply.put((status, result))
+                    continue
                 if reply is None or reply.done():
                     continue
                 if status == "error":

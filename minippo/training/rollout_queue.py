@@ -319,18 +319,7 @@ class RolloutQueue:
                 gen_s + out.metrics["rollout/gen_time_s"],
             )
             self._cond.notify_all()
-        versions = out.batch.versions
-        real = versions[versions >= 0]
-        if real.numel() and (
-            int(real.min()) < step - self.max_staleness or int(real.max()) > self._version
-        ):
-            raise RuntimeError(
-                f"staleness bound violated in the batch of step {step}: token versions "
-                f"[{int(real.min())}, {int(real.max())}], allowed "
-                f"[{step - self.max_staleness}, {self._version}] (max_staleness="
-                f"{self.max_staleness})"
-            )
-        out.metrics.update(staleness_metrics(versions, versions >= 0, step, prefix="rollout/"))
+        out.metrics.update(check_staleness(out.batch, step, self.max_staleness, self._version))
         out.metrics["rollout/wait_s"] = time.perf_counter() - t0
         out.metrics.update(self.metrics())
         return out
@@ -479,30 +468,6 @@ class RolloutQueue:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _reward(self, sample: RolloutSample) -> float:
-        """``reward_fn(sample)`` as a float; a RewardError naming the reward and the prompt when
-        it raises or returns NaN, infinity or a non-number."""
-        where = _describe_prompt(sample)
-        try:
-            value = self.reward_fn(sample)
-        except Exception as e:
-            raise RewardError(
-                f"reward {self.reward_name} raised {type(e).__name__} ({e}) for {where}"
-            ) from e
-        if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
-            value = value.item()  # a 0-dim tensor or a numpy scalar
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise RewardError(
-                f"reward {self.reward_name} returned {value!r} (a {type(value).__name__}) for "
-                f"{where}; a reward must return a number"
-            )
-        if not math.isfinite(value):
-            raise RewardError(
-                f"reward {self.reward_name} returned {value} for {where}; a reward must be "
-                "finite (this is the reward, not the loss: check the reward function)"
-            )
-        return float(value)
-
     # ------------------------------------------------------------------ producer
     def _produce(self) -> None:
         try:
@@ -600,29 +565,80 @@ class RolloutQueue:
                 sample_index=first + i,
             )
             if self.reward_fn is not None:
-                sample.reward = self._reward(sample)
+                sample.reward = score_sample(self.reward_fn, self.reward_name, sample)
             samples.append(sample)
         rewards = [s.reward for s in samples] if self.reward_fn is not None else None
         batch = collate_completions(completions, owners, rewards, pad_id=self.pad_id)
-        lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
-        n_tokens = int(lengths.sum())
-        spans = [len(set(c.versions)) > 1 for c in completions]
-        self._tokens_generated += n_tokens
+        metrics = batch_metrics(batch, gen_s, has_rewards=rewards is not None)
+        metrics["rollout/start_version"] = float(start_version)
+        self._tokens_generated += int(metrics["rollout/tokens"])
         self._gen_time_s += gen_s
-        metrics = {
-            "rollout/tokens_per_s": n_tokens / max(gen_s, 1e-9),
-            "rollout/gen_time_s": gen_s,
-            "rollout/tokens": float(n_tokens),
-            "rollout/response_len_mean": float(lengths.mean()),
-            "rollout/response_len_min": float(lengths.min()),
-            "rollout/response_len_max": float(lengths.max()),
-            "rollout/truncated_frac": float(batch.truncated.float().mean()),
-            "rollout/partial_frac": sum(spans) / len(spans),
-            "rollout/start_version": float(start_version),
-        }
-        if rewards is not None:
-            metrics["rollout/reward_mean"] = float(batch.rewards.mean())
         return QueueBatch(step=slot, batch=batch, samples=samples, metrics=metrics)
+
+
+def score_sample(
+    reward_fn: Callable[[RolloutSample], float], reward_name: str, sample: RolloutSample
+) -> float:
+    """``reward_fn(sample)`` as a float; a RewardError naming the reward and the prompt when it
+    raises or returns NaN, infinity or a non-number."""
+    where = _describe_prompt(sample)
+    try:
+        value = reward_fn(sample)
+    except Exception as e:
+        raise RewardError(
+            f"reward {reward_name} raised {type(e).__name__} ({e}) for {where}"
+        ) from e
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+        value = value.item()  # a 0-dim tensor or a numpy scalar
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RewardError(
+            f"reward {reward_name} returned {value!r} (a {type(value).__name__}) for {where}; a "
+            "reward must return a number"
+        )
+    if not math.isfinite(value):
+        raise RewardError(
+            f"reward {reward_name} returned {value} for {where}; a reward must be finite (this "
+            "is the reward, not the loss: check the reward function)"
+        )
+    return float(value)
+
+
+def batch_metrics(batch: RolloutBatch, gen_s: float, *, has_rewards: bool) -> dict[str, float]:
+    """``rollout/`` statistics of one batch generated in ``gen_s`` seconds."""
+    lengths = batch.response_mask.sum(dim=1, dtype=torch.float64)
+    n_tokens = int(lengths.sum())
+    valid = batch.versions >= 0
+    low = torch.where(valid, batch.versions, batch.versions.max() + 1).amin(dim=1)
+    spans = (valid & (batch.versions != low[:, None])).any(dim=1)  # tokens of 2+ versions
+    metrics = {
+        "rollout/tokens_per_s": n_tokens / max(gen_s, 1e-9),
+        "rollout/gen_time_s": gen_s,
+        "rollout/tokens": float(n_tokens),
+        "rollout/response_len_mean": float(lengths.mean()),
+        "rollout/response_len_min": float(lengths.min()),
+        "rollout/response_len_max": float(lengths.max()),
+        "rollout/truncated_frac": float(batch.truncated.float().mean()),
+        "rollout/multi_version_fraction": float(spans.float().mean()),
+    }
+    if has_rewards:
+        metrics["rollout/reward_mean"] = float(batch.rewards.mean())
+    return metrics
+
+
+def check_staleness(
+    batch: RolloutBatch, step: int, max_staleness: int, latest: int
+) -> dict[str, float]:
+    """Raise RuntimeError if a token of the batch of ``step`` is older than ``step −
+    max_staleness`` or newer than ``latest``; return the ``rollout/staleness_*`` statistics."""
+    versions = batch.versions
+    real = versions[versions >= 0]
+    if real.numel() and (int(real.min()) < step - max_staleness or int(real.max()) > latest):
+        raise RuntimeError(
+            f"staleness bound violated in the batch of step {step}: token versions "
+            f"[{int(real.min())}, {int(real.max())}], allowed [{step - max_staleness}, {latest}] "
+            f"(max_staleness={max_staleness})"
+        )
+    return staleness_metrics(versions, versions >= 0, step, prefix="rollout/")
 
 
 def _describe_prompt(sample: RolloutSample) -> str:

@@ -235,7 +235,7 @@ def test_partial_rollout_keeps_per_token_versions():
     for s in b1.samples:
         v = s.completion.versions
         assert v == sorted(v) and set(v) == {0, 1}, v  # spans both, old first
-    assert b1.metrics["rollout/partial_frac"] == 1.0
+    assert b1.metrics["rollout/multi_version_fraction"] == 1.0
     # the per-token versions land in the batch tensor at the right positions
     for row, s in enumerate(b1.samples):
         n = len(s.completion.versions)

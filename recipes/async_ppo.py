@@ -25,6 +25,7 @@ from minippo.data import PromptStream
 from minippo.engine import SamplingParams
 from minippo.rl.correction import build_correction
 from minippo.training import preflight
+from minippo.training.alternating_queue import AlternatingQueue
 from minippo.training.checkpoint import Checkpointer, RNGState
 from minippo.training.interrupt import StopOnSignal
 from minippo.training.metrics import MetricAverager, NoOpLogger, gather_and_reduce
@@ -81,6 +82,13 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
             f"critic.warmup_steps ({cfg.critic.warmup_steps}) must be in [0, total_steps "
             f"({cfg.total_steps}))"
         )
+    if rollout_mode(cfg) == "overlap":
+        for key, value in (("oversample", 1.0), ("offload_trainer", False)):
+            if r.get(key, value) != value:
+                problems.append(
+                    f"rollout.{key}={r[key]} needs rollout.mode=alternate (generation between "
+                    f"training steps); set rollout.mode=alternate or rollout.{key}={value}"
+                )
     if canonical_dtype(cfg.dtype, "dtype") != "float32" and not distributed:
         problems.append(
             f"dtype={cfg.dtype} is FSDP2 mixed precision (fp32 master weights), which needs a "
@@ -89,14 +97,22 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
     preflight.raise_problems(problems)
 
 
+def rollout_mode(cfg: DictConfig) -> str:
+    """``rollout.mode``: "alternate" (generate, then train, in turn) or "overlap" (default)."""
+    return cfg.rollout.get("mode", "overlap")
+
+
 class AsyncPPORecipe:
     """Asynchronous PPO (or critic-free GRPO) with an explicit behaviour-policy correction.
 
     What one training step does (``train()``; DESIGN.md "One training step"):
 
-    0. take batch ``step`` from the rollout queue. The engine generated it in the background
-       (while the previous step trained) with weights at most ``rollout.max_staleness`` versions
-       old; every token carries the version that sampled it. ``max_staleness: 0`` is synchronous.
+    0. take batch ``step`` from the rollout queue; every token carries the version that sampled
+       it, at most ``rollout.max_staleness`` versions old. ``rollout.mode: overlap``: the engine
+       generated it in the background while the previous step trained. ``alternate`` (a GPU
+       shared with the engine): it is generated now, carried-over groups continuing under the
+       new weights, then the engine sleeps (``rollout.offload_trainer``: the trainer's state
+       waits on the host meanwhile).
     1. rewards: scored by ``reward`` in the queue's thread as samples arrive; the KL penalty
        (``kl.mode: reward``) is subtracted per token in step 3.
     2. no-grad passes: reference logprobs (when ``kl.coef > 0``), critic values (GAE), and
@@ -192,7 +208,9 @@ class AsyncPPORecipe:
         self.critic_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
 
         r = cfg.rollout
-        self.queue = RolloutQueue(
+        alternate = rollout_mode(cfg) == "alternate"
+        queue_kw = dict(oversample=float(r.get("oversample", 1.0)), sleep=True) if alternate else {}
+        self.queue = (AlternatingQueue if alternate else RolloutQueue)(
             self.engine,
             PromptStream(self.dataset, seed=cfg.seed, rank=self.rank, world_size=self.world_size),
             groups_per_batch=r.groups_per_batch // self.world_size,
@@ -211,7 +229,12 @@ class AsyncPPORecipe:
             decode=self.tokenizer.decode,
             pad_id=self.tokenizer.pad_id,
             seed=cfg.seed * 1000 + self.rank,
+            **queue_kw,
         )
+        self.offload = None  # the trainer's state moves to the host while the engine generates
+        if r.get("offload_trainer", False):
+            pairs = [(m, o) for m, o in self._models().values()]
+            self.offload = parallel.TrainerOffload(pairs)
 
         # Everything a resumed run needs besides the models: Stateful objects, saved by name.
         self.states = {
@@ -265,16 +288,28 @@ class AsyncPPORecipe:
             bucket_bytes=int(self.cfg.publish_bucket_mb * 2**20),
             dtype=self.engine.dtype,
         )
+        if self.device.type == "cuda" and rollout_mode(self.cfg) == "alternate":
+            torch.cuda.empty_cache()  # the engine wakes into what the trainer leaves cached
         self.queue.publish(buckets, version=version)
         self.correction.on_weights_published(version, self.actor)
+        self._retain_referenced()
+
+    def _retain_referenced(self) -> None:
+        """keep_old_actor: keep a snapshot only of the versions that queued or carried tokens
+        still reference (the union over ranks: every rank scores the same versions)."""
+        versions = parallel.union_over_ranks(self.queue.referenced_versions(), self.device)
+        self.correction.retain(versions)
 
     # ------------------------------------------------------------------------------ train
     def train(self) -> None:
         cfg = self.cfg
         for step in range(self.start_step, self.total_steps):
             t_step = time.perf_counter()
-            # steps 0-1. the batch of this step, generated and scored (rewards) in the background
+            # steps 0-1. the batch of this step, generated and scored (rewards)
+            offload_s = self.offload.offload() if self.offload is not None else 0.0
             rollouts = self.queue.get_batch(step)
+            if self.offload is not None:
+                offload_s += self.offload.reload()
             batch = rollouts.batch.to(self.device)
             mask, rewards, metrics = batch.response_mask, batch.rewards, dict(rollouts.metrics)
 
@@ -289,6 +324,7 @@ class AsyncPPORecipe:
                         self._scored(self._values, batch), mask
                     )
                 corr = self.correction.prepare(batch, self.actor, step=step)
+            self._retain_referenced()
 
             # step 3. advantages (KL as a reward penalty is estimated under the sampling policy μ)
             kl_tok = None
@@ -344,6 +380,7 @@ class AsyncPPORecipe:
                 "perf/prepare_s": t_train - t_prep,
                 "perf/train_s": t_pub - t_train,
                 "perf/publish_s": now - t_pub,
+                "perf/offload_s": offload_s,
                 "perf/tokens_per_s": float(mask.sum()) * self.world_size / max(now - t_step, 1e-9),
                 "train/lr": self.scheduler.get_last_lr()[0],
                 "train/actor_updated": float(train_actor),

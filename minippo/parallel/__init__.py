@@ -12,10 +12,16 @@ Public names:
     gather_full_state_dict(model, *, dtype=None, device="cpu", rank0_only=False)
         -> {native_name: Tensor}
     apply_activation_checkpointing(model) -> model   (per decoder block; before shard_model)
+    union_over_ranks(values, device) -> sorted list   (every rank's ints, e.g. weight versions)
 """
 
 from minippo.parallel.activation_checkpointing import apply_activation_checkpointing
-from minippo.parallel.distributed import DistInfo, destroy_distributed, init_distributed
+from minippo.parallel.distributed import (
+    DistInfo,
+    destroy_distributed,
+    init_distributed,
+    union_over_ranks,
+)
 from minippo.parallel.fsdp import (
     assert_not_meta,
     export_hf,
@@ -38,4 +44,5 @@ __all__ = [
     "load_full_state_dict",
     "reshard_all",
     "shard_model",
+    "union_over_ranks",
 ]

@@ -255,14 +255,16 @@ class AlternatingQueue:
         return out
 
     def referenced_versions(self) -> set[int]:
-        """The weight versions of the tokens carried into the next step (what keep_old_actor
-        must keep a snapshot of, besides the latest)."""
+        """The weight versions of the carried tokens that the next batch may still train on
+        (what keep_old_actor must keep a snapshot of, besides the latest); older ones restart."""
+        oldest_allowed = self._next_step - self.max_staleness
         return {
             v
             for g in self._groups
             for s in g.samples
             if s.done is not None
             for v in s.done.versions
+            if v >= oldest_allowed
         }
 
     def metrics(self) -> dict[str, float]:

@@ -262,6 +262,7 @@ class RolloutQueue:
         self._next_step = 0  # the step the trainer asks for next
         self._next_slot = 0  # the batch the producer generates next
         self._generating = False
+        self._inflight_version = 0  # the version the batch being generated started with
         self._publishing = False
         self._prompt_iter: Iterator[Any] | None = None
         # cumulative counters (exposed by metrics())
@@ -381,6 +382,19 @@ class RolloutQueue:
             self._version = int(version)
             self._cond.notify_all()
 
+    def referenced_versions(self) -> set[int]:
+        """The weight versions that tokens of the ready batches and of the batch being generated
+        may carry (what keep_old_actor must keep a snapshot of, besides the latest)."""
+        with self._cond:
+            lows = [
+                int(b.batch.versions[b.batch.versions >= 0].min())
+                for b in self._ready.values()
+                if bool((b.batch.versions >= 0).any())
+            ]
+            if self._generating:
+                lows.append(self._inflight_version)
+            return set(range(min(lows, default=self._version), self._version + 1))
+
     def metrics(self) -> dict[str, float]:
         """Cumulative ``rollout/`` counters since start."""
         return {
@@ -487,6 +501,7 @@ class RolloutQueue:
                     if waited:
                         self._capacity_wait_s += time.perf_counter() - t0
                     start_version = self._version
+                    self._inflight_version = start_version
                     items = self._take_prompts()
                     if items is None:
                         self._exhausted_at = slot

@@ -112,7 +112,7 @@ def test_schedule_carries_groups_across_versions_within_the_bound(engine):
     assert sum(b.metrics["rollout/carried_over"] for b in batches) > 0
     # what keep_old_actor must keep: exactly the versions of the carried tokens
     carried = {v for g in queue._groups for s in g.samples if s.done for v in s.done.versions}
-    assert queue.referenced_versions() == carried
+    assert queue.referenced_versions() == {v for v in carried if v >= 6 - 1}  # the rest restart
 
 
 def test_stale_carried_samples_restart_from_the_prompt(engine):

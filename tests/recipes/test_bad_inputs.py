@@ -221,6 +221,10 @@ CASES = [
          ["run", "--nproc-per-node", "2", "async_ppo", "--config", "tiny_cpu",
           "output_dir={T}/out", "rollout.groups_per_batch=3"],
          2, "must be divisible by the number of ranks (2)", validate=False),
+    Case("correction_missing_two_ranks",  # the contract fires once, in the launcher
+         ["run", "--nproc-per-node", "2", "async_ppo", "--config", "tiny_cpu",
+          "output_dir={T}/out", "correction=null"],
+         2, "needs an explicit behaviour-policy correction", validate=False),
     # ---- files
     run_case("output_dir_is_a_file", out="{R}/a_file", phrase="is a file, not a folder",
              extra={"output_dir": "{R}/a_file"}),
@@ -489,6 +493,7 @@ def test_bad_input(case, results):
     assert "Traceback" not in err, err[-3000:]
     for phrase in phrases:
         assert phrase in err, (phrase, err[-2000:])
+        assert err.count(phrase) == 1, err[-2000:]  # once: the launcher checks before torchrun
     if case.code != 0 and not case.writes:
         # nothing but the error lines, and nothing written
         lines = [x for x in err.splitlines() if x.strip()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -162,6 +163,9 @@ class AsyncPPORecipe:
         self.temperature = float(cfg.rollout.temperature) or 1.0  # greedy scores at T = 1
         self.use_critic = rl.needs_critic(cfg.advantage_estimator)
         self.use_ref = cfg.kl.coef > 0
+        # weights reach the engines every `sync_every` steps; versions count publishes, so step
+        # s trains on data of version s // sync_every or older (docs/recipe.md, "Sync cycles")
+        self.sync_every = int(cfg.rollout.get("sync_every", 1))
         self.ckpt_path: Path | None = None  # the last checkpoint saved or loaded
         self.progress = self.queue = self.engine = self.logger = None  # built by setup
         self.output_dir = OutputDir.of_run(cfg)  # one run per output_dir, locked until cleanup
@@ -198,10 +202,12 @@ class AsyncPPORecipe:
         if self.use_critic:
             self.critic_optimizer = build_optimizer(cfg.critic.optimizer, self.critic.parameters())
             self.critic_scheduler = instantiate(cfg.lr_scheduler, self.critic_optimizer)
+        # the weights the engines hold inside a sync cycle, for the anchors of its later steps
+        self.published = parallel.PublishedWeights() if self.sync_every > 1 else None
         self.correction = build_correction(  # instantiate(cfg.correction, temperature=..., ...)
             cfg,
             temperature=self.temperature,
-            updates_per_step=cfg.ppo.epochs * cfg.ppo.minibatches,
+            updates_per_step=cfg.ppo.epochs * cfg.ppo.minibatches * self.sync_every,
             score_fn=lambda model, b: self._scored(partial(self._logprobs, model), b),
         )
         self.actor_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
@@ -229,6 +235,7 @@ class AsyncPPORecipe:
             decode=self.tokenizer.decode,
             pad_id=self.tokenizer.pad_id,
             seed=cfg.seed * 1000 + self.rank,
+            sync_every=self.sync_every,
             **queue_kw,
         )
         self.offload = None  # the trainer's state moves to the host while the engine generates
@@ -241,6 +248,7 @@ class AsyncPPORecipe:
             "rng": RNGState(),
             "queue": self.queue,  # with the batch it generated ahead for the next step
             "correction": self.correction,
+            "published": self.published,  # None unless sync_every > 1: not saved
             "scheduler": self.scheduler,
             "critic_scheduler": self.critic_scheduler,  # None without a critic: not saved
             "actor_guard": self.actor_guard,
@@ -251,8 +259,10 @@ class AsyncPPORecipe:
         resume = self.checkpointer.resolve(cfg.resume_from)
         if resume is not None:
             self._load_checkpoint(resume)
-        # The engine holds exactly the actor's weights, as version `start_step`.
-        self._publish(self.start_step)
+        # The engine holds the weights of the version `start_step` trains from: the actor's, or
+        # inside a sync cycle (a resume) the cycle's published ones.
+        with self._cycle_weights(self.start_step):
+            self._publish(self.start_step // self.sync_every)
         self.queue.start()
 
         self.logger = instantiate(cfg.metric_logger) if self.is_main else NoOpLogger()
@@ -280,9 +290,19 @@ class AsyncPPORecipe:
         """The architecture: an HF folder's config.json, or the ``model`` size builder."""
         return models.model_args_from_pretrained(path) if path else instantiate(self.cfg.model)
 
+    def _cycle_weights(self, step: int):
+        """Inside a sync cycle (``step % sync_every != 0``) the actor holds the weights published
+        at the cycle's start in this block, its own ones afterwards; otherwise nothing changes
+        (the actor holds them already)."""
+        if self.published is None or step % self.sync_every == 0:
+            return nullcontext()
+        return self.published.holding(self.actor)
+
     def _publish(self, version: int) -> None:
         """Step 5: full weights bucket by bucket into this rank's engine, in the engine's dtype;
         snapshot for the correction. Collective under FSDP (every rank gathers every tensor)."""
+        if self.published is not None:
+            self.published.take(self.actor, version)
         buckets = parallel.full_tensor_buckets(
             self.actor,
             bucket_bytes=int(self.cfg.publish_bucket_mb * 2**20),
@@ -323,7 +343,9 @@ class AsyncPPORecipe:
                     values, bootstrap = rl.split_critic_values(
                         self._scored(self._values, batch), mask
                     )
-                corr = self.correction.prepare(batch, self.actor, step=step)
+                version = step // self.sync_every  # the engines' weights, anchoring this step
+                with self._cycle_weights(step):
+                    corr = self.correction.prepare(batch, self.actor, step=version)
             self._retain_referenced()
 
             # step 3. advantages (KL as a reward penalty is estimated under the sampling policy μ)
@@ -368,9 +390,10 @@ class AsyncPPORecipe:
             if self.critic_scheduler is not None:
                 self.critic_scheduler.step()
 
-            # step 5. publish version step + 1 into every rank's engine
+            # step 5. publish version (step + 1) / sync_every into every rank's engine
             t_pub = time.perf_counter()
-            self._publish(step + 1)
+            if (step + 1) % self.sync_every == 0:
+                self._publish((step + 1) // self.sync_every)
 
             # step 6. metrics, progress, checkpoint
             now = time.perf_counter()
@@ -384,6 +407,7 @@ class AsyncPPORecipe:
                 "perf/tokens_per_s": float(mask.sum()) * self.world_size / max(now - t_step, 1e-9),
                 "train/lr": self.scheduler.get_last_lr()[0],
                 "train/actor_updated": float(train_actor),
+                "correction/anchor_version": float(version),
             }
             metrics = gather_and_reduce(metrics, summed=LOSS_SHARES)  # rank 0 logs
             if (step + 1) % cfg.log_every_n_steps == 0 or step + 1 == self.total_steps:

@@ -13,6 +13,7 @@ Public names:
         -> {native_name: Tensor}
     apply_activation_checkpointing(model) -> model   (per decoder block; before shard_model)
     union_over_ranks(values, device) -> sorted list   (every rank's ints, e.g. weight versions)
+    PublishedWeights()   (the weights last published, for the anchors inside a sync cycle)
 """
 
 from minippo.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -31,9 +32,11 @@ from minippo.parallel.fsdp import (
     reshard_all,
     shard_model,
 )
+from minippo.parallel.weight_swap import PublishedWeights
 
 __all__ = [
     "DistInfo",
+    "PublishedWeights",
     "apply_activation_checkpointing",
     "assert_not_meta",
     "destroy_distributed",

@@ -22,7 +22,15 @@ from torch.distributed.tensor import DTensor
 
 from minippo.parallel.fsdp import reshard_all
 
-__all__ = ["ParamSwap", "alloc_like", "check_like", "local_shards", "nbytes", "sharded_flags"]
+__all__ = [
+    "ParamSwap",
+    "PublishedWeights",
+    "alloc_like",
+    "check_like",
+    "local_shards",
+    "nbytes",
+    "sharded_flags",
+]
 
 
 def local_shards(model: nn.Module) -> list[torch.Tensor]:
@@ -121,3 +129,60 @@ class ParamSwap:
                 yield load
             finally:
                 load(self._saved if restore_from is None else restore_from)
+
+
+class PublishedWeights:
+    """A copy of the weights last published to the engines (``rollout.sync_every > 1``).
+
+    Inside a sync cycle the trainer keeps training while the engines keep the cycle's weights;
+    the anchors that mean "the policy before this update" (decoupled PPO's π_old) must then come
+    from those published weights for every step of the cycle, not from weights already moved by
+    its earlier steps. ``take`` copies this rank's local shards at each publish (one buffer,
+    reused: the previous cycle's copy is overwritten); ``holding(actor)`` puts them into the
+    actor for a no-grad pass and the actor's own weights back afterwards (a swap buffer of the
+    same size). Both live on the host (pinned with CUDA) unless ``device`` says otherwise.
+    Stateful: a run resumed inside a cycle anchors with the same weights.
+    """
+
+    def __init__(self, device: torch.device | str | None = "cpu"):
+        self.device = None if device is None else torch.device(device)
+        self.version: int | None = None
+        self._copy: list[torch.Tensor] | None = None
+        self._swap = ParamSwap(self.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the published copy and the swap buffer."""
+        return nbytes(self._copy or []) + self._swap.nbytes
+
+    def take(self, actor: nn.Module, version: int) -> None:
+        """Copy the actor's current local shards as the weights of ``version``."""
+        shards = local_shards(actor)
+        if self._copy is None:
+            self._copy = alloc_like(shards, dtype=None, device=self.device)
+        check_like("the published weights", self._copy, shards)
+        with torch.no_grad():
+            torch._foreach_copy_(self._copy, shards)
+        self.version = int(version)
+
+    @contextmanager
+    def holding(self, actor: nn.Module) -> Iterator[None]:
+        """The actor holds the published weights inside the block, its own ones afterwards."""
+        if self._copy is None:
+            raise RuntimeError("PublishedWeights.holding before the first take()")
+        with self._swap.borrow(actor) as load:
+            load(self._copy)
+            yield
+
+    def state_dict(self) -> dict:
+        return {"version": self.version, "weights": self._copy}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version = state["version"]
+        weights = state["weights"]
+        if weights is None:
+            self._copy = None
+            return
+        self._copy = alloc_like(list(weights), dtype=None, device=self.device)
+        with torch.no_grad():
+            torch._foreach_copy_(self._copy, list(weights))

@@ -47,6 +47,7 @@ from minippo.training.rollout_queue import (
     PromptsExhausted,
     QueueBatch,
     RolloutSample,
+    _check_sync_every,
     batch_metrics,
     check_staleness,
     collate_completions,
@@ -109,6 +110,7 @@ class AlternatingQueue:
         samples_per_prompt: int = 1,
         sampling: SamplingParams | None = None,
         max_staleness: int = 0,
+        sync_every: int = 1,
         partial_rollout: bool = True,
         oversample: float = 1.0,
         sleep: bool = True,
@@ -137,6 +139,7 @@ class AlternatingQueue:
         self.samples_per_prompt = samples_per_prompt
         self.sampling = (sampling or SamplingParams()).validate()
         self.max_staleness = max_staleness
+        self.sync_every = _check_sync_every(sync_every)
         self.partial_rollout = bool(partial_rollout)
         self.in_flight = math.ceil(groups_per_batch * oversample - 1e-9)
         self.sleep = bool(sleep)
@@ -204,13 +207,14 @@ class AlternatingQueue:
                 f"get_batch(step={step}) out of order: the next batch is for step "
                 f"{self._next_step}; steps are consumed one by one from 0 (or the resumed step)"
             )
-        if self._version != step:
+        current = step // self.sync_every
+        if self._version != current:
             raise RuntimeError(
                 f"get_batch(step={step}) in alternate mode generates with the weights of version "
-                f"{step}: publish them first (the engine holds version {self._version})"
+                f"{current}: publish them first (the engine holds version {self._version})"
             )
         t0 = time.perf_counter()
-        restarted = self._restart_stale(step)
+        restarted = self._restart_stale(current - self.max_staleness)
         self._fill()
         ready = [g for g in self._groups if g.complete]
         need = self.groups_per_batch - len(ready)
@@ -238,7 +242,7 @@ class AlternatingQueue:
         taken = {id(g) for g in batch_groups}
         self._groups = [g for g in self._groups if id(g) not in taken]
         out = self._assemble(step, batch_groups, gen_s)
-        out.metrics.update(check_staleness(out.batch, step, self.max_staleness, self._version))
+        out.metrics.update(check_staleness(out.batch, current - self.max_staleness, current))
         self._next_step = step + 1
         self._restarted_total += restarted
         out.metrics |= {
@@ -257,7 +261,7 @@ class AlternatingQueue:
     def referenced_versions(self) -> set[int]:
         """The weight versions of the carried tokens that the next batch may still train on
         (what keep_old_actor must keep a snapshot of, besides the latest); older ones restart."""
-        oldest_allowed = self._next_step - self.max_staleness
+        oldest_allowed = self._next_step // self.sync_every - self.max_staleness
         return {
             v
             for g in self._groups
@@ -314,14 +318,14 @@ class AlternatingQueue:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _restart_stale(self, step: int) -> int:
-        """Drop the tokens of carried samples that could break the bound (or, without partial
-        rollouts, that are unfinished); they start again from the prompt. Returns how many."""
+    def _restart_stale(self, oldest_allowed: int) -> int:
+        """Drop the tokens of carried samples older than ``oldest_allowed`` (or, without partial
+        rollouts, unfinished); they start again from the prompt. Returns how many."""
         count = 0
         for g in self._groups:
             for s in g.samples:
                 oldest = s.oldest_version
-                stale = oldest is not None and oldest < step - self.max_staleness
+                stale = oldest is not None and oldest < oldest_allowed
                 if stale or (oldest is not None and not s.finished and not self.partial_rollout):
                     s.done, s.reward = None, None
                     s.attempt += 1
@@ -418,7 +422,7 @@ class AlternatingQueue:
         batch = collate_completions(completions, owners, rewards, pad_id=self.pad_id)
         self._gen_time_s += gen_s
         metrics = batch_metrics(batch, gen_s, has_rewards=rewards is not None)
-        metrics["rollout/start_version"] = float(step)
+        metrics["rollout/start_version"] = float(step // self.sync_every)
         return QueueBatch(step=step, batch=batch, samples=samples, metrics=metrics)
 
 

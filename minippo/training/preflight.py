@@ -66,6 +66,7 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
             "oversample": Float(min=1, optional=True),
             "offload_trainer": Bool(optional=True),
             "share_gpu_with_engine": Bool(optional=True),
+            "sync_every": Int(min=1, optional=True),
             "max_staleness": Int(min=0),
             "partial_rollout": Bool(),
             "groups_per_batch": Int(min=1),

@@ -8,6 +8,9 @@ Version convention (the one every part of minippo uses):
     * the batch consumed by step ``s`` (``queue.get_batch(s)``) contains only tokens with
       ``s - max_staleness <= v <= s``; the staleness of a token is ``s - v``. The queue refuses
       older tokens, as docs/corrections.md says: "refuses tokens older than step - max_staleness".
+    * with ``sync_every = k > 1`` the trainer publishes after every k-th step, so versions count
+      publishes: step ``s`` trains on data of version ``s // k`` or older, and every bound above
+      reads ``s // k`` for ``s`` (the staleness of a token is ``s // k - v``, in versions);
     * ``max_staleness = 0`` is the synchronous loop: batch ``s`` is generated entirely by the
       weights of version ``s``, after they are published (same code path, no overlap).
 
@@ -198,6 +201,7 @@ class RolloutQueue:
         sampling:           sampling parameters of every request; its ``seed`` is replaced per
                             request by ``seed * 1_000_003 + global sample index``.
         max_staleness:      the staleness bound (see the module docstring); 0 = synchronous.
+        sync_every:         training steps per published version (``rollout.sync_every``).
         partial_rollout:    continue in-flight requests under new weights on ``publish``.
         reward_fn:          optional ``reward_fn(sample: RolloutSample) -> float``, run in the
                             background thread; without it rewards are zeros for the trainer to fill.
@@ -220,6 +224,7 @@ class RolloutQueue:
         samples_per_prompt: int = 1,
         sampling: SamplingParams | None = None,
         max_staleness: int = 0,
+        sync_every: int = 1,
         partial_rollout: bool = False,
         reward_fn: Callable[[RolloutSample], float] | None = None,
         reward_name: str | None = None,
@@ -244,6 +249,7 @@ class RolloutQueue:
         self.samples_per_prompt = samples_per_prompt
         self.sampling = (sampling or SamplingParams()).validate()
         self.max_staleness = max_staleness
+        self.sync_every = _check_sync_every(sync_every)
         self.partial_rollout = bool(partial_rollout)
         self.reward_fn = reward_fn
         self.reward_name = reward_name or getattr(reward_fn, "__qualname__", repr(reward_fn))
@@ -320,7 +326,9 @@ class RolloutQueue:
                 gen_s + out.metrics["rollout/gen_time_s"],
             )
             self._cond.notify_all()
-        out.metrics.update(check_staleness(out.batch, step, self.max_staleness, self._version))
+        out.metrics.update(
+            check_staleness(out.batch, self._oldest_allowed(step), step // self.sync_every)
+        )
         out.metrics["rollout/wait_s"] = time.perf_counter() - t0
         out.metrics.update(self.metrics())
         return out
@@ -336,10 +344,10 @@ class RolloutQueue:
                 raise PromptsExhausted(
                     f"the prompt source ran out before the batch of step {step} was filled"
                 )
-            if self._version < step - self.max_staleness:
+            if self._version < self._oldest_allowed(step):
                 raise RuntimeError(
                     f"get_batch(step={step}) with max_staleness={self.max_staleness} needs "
-                    f"weights of version >= {step - self.max_staleness} published first "
+                    f"weights of version >= {self._oldest_allowed(step)} published first "
                     f"(queue.publish or queue.on_weights_published); latest is {self._version}"
                 )
             if self._stop:
@@ -381,6 +389,10 @@ class RolloutQueue:
                 raise ValueError(f"version must not decrease: got {version}, have {self._version}")
             self._version = int(version)
             self._cond.notify_all()
+
+    def _oldest_allowed(self, step: int) -> int:
+        """The oldest version a token of the batch of ``step`` may have."""
+        return step // self.sync_every - self.max_staleness
 
     def referenced_versions(self) -> set[int]:
         """The weight versions that tokens of the ready batches and of the batch being generated
@@ -490,10 +502,10 @@ class RolloutQueue:
                     slot = self._next_slot
                     t0 = time.perf_counter()
                     # capacity: start batch `slot` only when its tokens cannot become too stale
-                    waited = self._version < slot - self.max_staleness
+                    waited = self._version < self._oldest_allowed(slot)
                     self._capacity_waits += int(waited)
                     while not self._stop and (
-                        self._version < slot - self.max_staleness or self._publishing
+                        self._version < self._oldest_allowed(slot) or self._publishing
                     ):
                         self._cond.wait(timeout=1.0)
                     if self._stop:
@@ -640,20 +652,24 @@ def batch_metrics(batch: RolloutBatch, gen_s: float, *, has_rewards: bool) -> di
     return metrics
 
 
-def check_staleness(
-    batch: RolloutBatch, step: int, max_staleness: int, latest: int
-) -> dict[str, float]:
-    """Raise RuntimeError if a token of the batch of ``step`` is older than ``step −
-    max_staleness`` or newer than ``latest``; return the ``rollout/staleness_*`` statistics."""
+def check_staleness(batch: RolloutBatch, oldest: int, current: int) -> dict[str, float]:
+    """Raise RuntimeError if a token of the batch is older than version ``oldest`` or newer than
+    ``current`` (the version its step trains from); return the ``rollout/staleness_*``
+    statistics (``current − v`` over tokens)."""
     versions = batch.versions
     real = versions[versions >= 0]
-    if real.numel() and (int(real.min()) < step - max_staleness or int(real.max()) > latest):
+    if real.numel() and (int(real.min()) < oldest or int(real.max()) > current):
         raise RuntimeError(
-            f"staleness bound violated in the batch of step {step}: token versions "
-            f"[{int(real.min())}, {int(real.max())}], allowed [{step - max_staleness}, {latest}] "
-            f"(max_staleness={max_staleness})"
+            f"staleness bound violated: token versions [{int(real.min())}, {int(real.max())}], "
+            f"allowed [{oldest}, {current}] (the step trains from version {current})"
         )
-    return staleness_metrics(versions, versions >= 0, step, prefix="rollout/")
+    return staleness_metrics(versions, versions >= 0, current, prefix="rollout/")
+
+
+def _check_sync_every(value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"rollout.sync_every must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _describe_prompt(sample: RolloutSample) -> str:

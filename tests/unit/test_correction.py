@@ -335,7 +335,7 @@ def test_keep_old_actor_bytes_and_eviction():
 
 def test_keep_old_actor_reuses_the_evicted_versions_buffers_for_the_next_snapshot():
     model = make_model()
-    corr = KeepOldActor()
+    corr = KeepOldActor(max_staleness=1)
     corr.on_weights_published(0, model)
     old = corr.state_dict()["snapshots"][0]
     perturb(model, seed=1)
@@ -366,9 +366,12 @@ def test_keep_old_actor_accelerator_storage_keeps_snapshots_on_the_parameter_dev
 def test_keep_old_actor_prepare_releases_versions_out_of_the_staleness_window():
     model, corr, _ = _three_versions()  # max_staleness = 2
     out = corr.prepare(make_batch([[0, 1, 2, 2]]), model, step=2)
-    # batch 3 may only hold v >= 3 − 2 = 1: version 0 is gone
-    assert corr.live_versions == [1, 2]
-    assert out.metrics()["correction/snapshot_versions"] == 2
+    # another step may still train from version 2 (sync_every > 1): all of 0..2 are needed
+    assert corr.live_versions == [0, 1, 2]
+    assert out.metrics()["correction/snapshot_versions"] == 3
+    perturb(model, seed=9)
+    corr.on_weights_published(3, model)  # steps train from version 3 on: v >= 3 − 2 = 1
+    assert corr.live_versions == [1, 2, 3]
 
 
 def test_keep_old_actor_missing_version_is_an_error_and_restores_weights():

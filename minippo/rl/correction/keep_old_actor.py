@@ -35,9 +35,11 @@ class KeepOldActor(Correction):
     Lifetime: ``on_weights_published(v, actor)`` copies the weights that will sample version v.
     The latest published version is always kept (the engines sample with it); every other version
     is kept until ``retain(versions)`` no longer lists it or ``release_versions_below`` passes it
-    (neither is called by the recipe yet). ``prepare(step=k)`` itself releases the versions below
-    k + 1 − max_staleness, which no later batch may contain (the rollout queue refuses tokens
-    older than step − max_staleness). ``prepare`` scores the whole batch once per distinct version
+    (the recipe calls ``retain`` with the versions of the queued and carried tokens after every
+    ``prepare`` and publish). Publishing version v releases the versions below
+    v − max_staleness, which no later batch may contain (the rollout queue refuses older tokens),
+    and so does ``prepare(step=k)`` for k − max_staleness (``step`` is the version the step
+    trains from). ``prepare`` scores the whole batch once per distinct version
     present (on any rank) and takes each token's anchor from the forward of its own version; a
     token without a snapshot of its version is an error.
 
@@ -146,6 +148,8 @@ class KeepOldActor(Correction):
             torch._foreach_copy_(snap, shards)
         self._snapshots[version] = snap
         self._latest = version
+        # from now on steps train from `version`: no batch holds tokens older than this
+        self.release_versions_below(version - self.max_staleness)
 
     def retain(self, versions: Iterable[int]) -> None:
         """Keep exactly ``versions`` (plus the latest published one); evict every other snapshot.
@@ -232,8 +236,9 @@ class KeepOldActor(Correction):
                 f"live snapshots: {self.live_versions}). A version still referenced by queued "
                 "tokens was evicted, or on_weights_published was not called for it."
             )
-        # the queue's bound: batch k + 1 only holds tokens with v >= k + 1 - max_staleness
-        self.release_versions_below(step + 1 - self.max_staleness)
+        # the queue's bound: no later batch holds tokens older than step − max_staleness (its
+        # step trains from version `step` or newer); retain() evicts what nothing references
+        self.release_versions_below(step - self.max_staleness)
         w = discrepancy_weights(anchor, batch.rollout_logprobs.float(), mask, cap=self.cap)
         out = FixedAnchors.from_weights(batch, anchor, w)
         out.info.update(

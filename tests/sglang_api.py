@@ -117,7 +117,14 @@ SGLANG_API: tuple[ApiUse, ...] = (
     # -- tokenizer manager (methods live on TokenizerManager or its mixins)
     ApiUse("method", _TM, "TokenizerManager.pause_generation", ("obj",), is_async=True),
     ApiUse("method", _TM, "TokenizerManager.continue_generation", ("obj",), is_async=True),
-    ApiUse("method", _TM, "TokenizerManager.abort_request", ("abort_all",), is_async=False),
+    ApiUse(
+        "method",
+        _TM,
+        "TokenizerManager.abort_request",
+        ("rid", "abort_all"),
+        is_async=False,
+        note="abort_all: abort(); rid: one request of a stream (matched as a prefix of rids)",
+    ),
     ApiUse("method", _TM, "TokenizerManager.begin_weight_update", ("obj", "request"), True),
     ApiUse("method", _TM, "TokenizerManager.end_weight_update", ("obj", "request"), True),
     ApiUse("method", _TM, "TokenizerManager.update_weights_from_tensor", ("obj", "request"), True),

@@ -15,6 +15,19 @@ rollout queue's background thread while ``publish_weights`` / ``pause`` / ``resu
 come from the main thread; the coroutines interleave on the one loop and share state only there.
 The protocol methods are blocking: never call them from inside a running event loop (they raise).
 
+Streams (``stream(requests, until_groups=k)``). Each request is one task on the engine loop (as in
+``generate``); each completion is handed to the calling thread through a thread-safe queue the
+moment its task ends, so the caller sees them in finishing order. Once ``k`` groups have every
+request finished (``GroupCounter``; a request ended by an abort does not count), the call's other
+requests are stopped: those still waiting at the backend's gate end as empty aborts, the ones in
+SGLang are aborted one by one with the tokenizer manager's ``abort_request(rid=...)`` (sent once
+per request: SGLang ignores a repeated abort of the same rid); each returns its partial output,
+with per-token versions checked as for any response, and they are yielded last in request order.
+SGLang matches an aborted rid as a prefix of its requests' rids, so the backend's rids are
+prefix-free (``"<counter>#<request_id>"``). Closing the iterator early (``close()``, or dropping
+it after a ``break``) aborts the call's requests in the same way and waits until they have ended
+(while paused only a moment: the retracted requests answer their abort at once).
+
 Weight versions, per token. SGLang 0.5.23 tracks them itself: when the weight version changes
 (here: ``update_weight_version`` at the end of each publish), the scheduler appends, for every live
 request that has output tokens, an event ``(old_version, number of output tokens so far)``; a
@@ -71,9 +84,13 @@ Memory modes (``memory_mode``):
       it is the engine's); ``sleep()`` / ``wake()`` do nothing.
     * ``sleep``: the engine releases its memory while the trainer trains. ``sleep()`` (engine idle)
       releases weights, KV cache and CUDA graphs; ``wake()`` restores only the weights' memory
-      (their values are undefined unless ``weights_cpu_backup``); the next ``publish_weights``
-      pushes the buckets, flushes, and only then restores KV cache and CUDA graphs, so the
-      gathered buckets never compete with the KV cache. Generating in between raises.
+      (their values are undefined unless ``weights_cpu_backup``, which restores everything);
+      ``publish_weights`` pushes the buckets and flushes, and leaves the KV cache and CUDA
+      graphs released, so the trainer can offload its own state between publishing and
+      generating; the first ``generate`` / ``stream`` afterwards returns the trainer's cached CUDA
+      blocks to the driver and restores KV cache and CUDA graphs before it admits a request.
+      Sequence: ``wake -> publish_weights -> [trainer offloads] -> generate / stream (KV restored
+      here) ... -> sleep``. Generating between ``wake`` and ``publish_weights`` raises.
 
 Process side effects of SGLang's ``Engine`` (documented in docs/sglang_backend.md): creating it sets
 the multiprocessing start method to ``spawn`` and some NCCL environment variables in this process,
@@ -87,16 +104,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import multiprocessing
 import os
+import queue
 import random
 import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -117,6 +136,7 @@ from minippo.engine.protocol import (
     FINISH_REASONS,
     Completion,
     GenerateRequest,
+    GroupCounter,
     SamplingParams,
     WeightBucket,
     compute_dtype,
@@ -463,6 +483,47 @@ def _empty_abort(request: GenerateRequest) -> Completion:
     return Completion(request.request_id, list(request.prompt_ids), [], [], [], "abort")
 
 
+def engine_rid(counter: int, request_id: str) -> str:
+    """The rid SGLang sees for one request: ``"<counter>#<request_id>"``.
+
+    SGLang aborts every request whose rid starts with the aborted one, so the rids in flight must
+    be prefix-free: the counter is unique per engine and ends at the first ``#``, hence one rid
+    can only start with another if their counters are equal."""
+    return f"{counter}#{request_id}"
+
+
+@dataclasses.dataclass(eq=False)
+class _StreamCall:
+    """Loop-side state of one ``stream`` call (touched only on the engine loop, except ``out``).
+
+    Fields:
+        requests: the call's requests (index = position in the call).
+        counter:  when to stop the others (``GroupCounter``).
+        out:      thread-safe queue to the calling thread: ``("part", Completion)``, then
+                  ``("end", None)``; or ``("error", exception)``.
+        tasks:    one engine-loop task per request.
+        rids:     index -> SGLang rid, once the request is admitted into SGLang.
+        held:     completions that ended after the stop, yielded last in request order.
+        aborted:  rids whose per-request abort was sent (SGLang ignores a second one).
+        stopper:  the task that stops the others once ``counter`` says so.
+        left:     requests whose task has not ended yet.
+        stopping: the call stops its other requests (``until_groups`` reached, or closed).
+        closed:   the caller is gone: completions are dropped.
+    """
+
+    requests: list[GenerateRequest]
+    counter: GroupCounter
+    out: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+    tasks: list[asyncio.Task] = dataclasses.field(default_factory=list)
+    rids: dict[int, str] = dataclasses.field(default_factory=dict)
+    held: dict[int, Completion] = dataclasses.field(default_factory=dict)
+    aborted: set[str] = dataclasses.field(default_factory=set)
+    stopper: asyncio.Task | None = None
+    left: int = 0
+    stopping: bool = False
+    closed: bool = False
+
+
 # ----------------------------------------------------------------------------------------------
 # The engine
 
@@ -769,7 +830,10 @@ class SGLangEngine:
         return self._dtype
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
-        """Complete every request (blocking; callable from a background thread)."""
+        """Complete every request (blocking; callable from a background thread).
+
+        In sleep mode, the first generation after a publish restores the KV cache and CUDA
+        graphs before any request is admitted (see the module docstring, "Memory modes")."""
         requests = list(requests)
         validate_requests(requests, max_seq_len=self._context_length)
         self._check_open()
@@ -777,6 +841,69 @@ class SGLangEngine:
             return []
         params = [self._sampling_params(r.params) for r in requests]
         return self._call(self._generate_async(requests, params), "generate")
+
+    def stream(
+        self, requests: Sequence[GenerateRequest], *, until_groups: int | None = None
+    ) -> Iterator[Completion]:
+        """Yield completions as they finish; with ``until_groups=k``, once ``k`` groups have
+        every request finished, abort the call's other requests in SGLang and yield their
+        partial completions last, in request order (the protocol's "Streaming groups"; a few
+        more tokens may come before an abort lands, each with its exact version).
+
+        The requests are validated and admitted when this is called (so errors come here);
+        the iterator delivers completions to the calling thread as they end. Closing it early
+        (``close()``, or dropping it after a ``break``) aborts what is left of the call and waits
+        until those requests have ended (while the engine is paused, at most a moment: requests
+        ``pause()`` retracted answer their abort at once). An engine-wide ``abort()`` ends the
+        stream with the partial completions."""
+        requests = list(requests)
+        validate_requests(requests, max_seq_len=self._context_length)
+        call = _StreamCall(requests, GroupCounter(requests, until_groups))
+        self._check_open()
+        if not requests:
+            return iter(())
+        params = [self._sampling_params(r.params) for r in requests]
+        self._call(self._stream_start(call, params), "stream")
+        results = self._stream_results(call)
+        next(results)  # enter its try block now, so that closing or dropping it aborts the call
+        return results
+
+    def _stream_results(self, call: _StreamCall) -> Iterator[Any]:
+        """The caller's side of one stream: its first ``yield`` (None) only primes it."""
+        ended = False
+        try:
+            yield None
+            while True:
+                kind, value = self._stream_next(call)
+                if kind == "end":
+                    ended = True
+                    return
+                if kind == "error":
+                    raise value
+                yield value
+        finally:
+            if not ended and self._dead is None and not self._closed:
+                self._call(self._stream_close(call), "stream (closing it)")
+
+    def _stream_next(self, call: _StreamCall) -> tuple[str, Any]:
+        """The next message of ``call`` (blocking); raises once the engine is dead or shut down."""
+        me = threading.current_thread().name
+        self._calls[me] = "stream"
+        try:
+            while True:
+                try:
+                    return call.out.get(timeout=0.1)
+                except queue.Empty:
+                    if self._dead is not None:
+                        raise SGLangEngineDied(self._dead) from None
+                    if self._closed and not self._thread.is_alive():
+                        if not call.out.empty():
+                            continue
+                        raise RuntimeError(
+                            "the SGLangEngine was shut down during stream()"
+                        ) from None
+        finally:
+            self._calls.pop(me, None)
 
     def publish_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Load new weights bucket by bucket (HF names, full tensors), then stamp ``version``.
@@ -815,8 +942,6 @@ class SGLangEngine:
                         f"{', ...' if len(missing) > 8 else ''}): the engine would keep its old "
                         "or dummy values; publish every parameter (full_tensor_buckets does)"
                     )
-                if self._memory == "weights_only":
-                    _cuda_release_cache()  # before the engine maps its KV cache back
                 self._call(self._finish_publish(version), what)
             except BaseException:
                 if self._dead is None:
@@ -846,7 +971,8 @@ class SGLangEngine:
             return self._call(self._abort_async(), "abort")
 
     def sleep(self) -> None:
-        """sleep mode: release weights, KV cache and CUDA graphs (engine idle). overlap: no-op."""
+        """sleep mode: release weights, KV cache and CUDA graphs (engine idle; only the weights
+        when no generation restored the KV cache since wake()). overlap: no-op."""
         if self.memory_mode != "sleep":
             return
         with self._control:
@@ -855,8 +981,9 @@ class SGLangEngine:
 
     def wake(self) -> None:
         """sleep mode: restore the weights' memory (values undefined unless weights_cpu_backup:
-        then everything is restored); the next publish_weights restores KV cache + CUDA graphs.
-        overlap: no-op. The trainer's cached CUDA blocks are returned to the driver first."""
+        then everything is restored); after the next publish_weights, the first generate /
+        stream restores KV cache + CUDA graphs. overlap: no-op. The trainer's cached CUDA blocks
+        are returned to the driver first."""
         if self.memory_mode != "sleep":
             return
         with self._control:
@@ -912,10 +1039,11 @@ class SGLangEngine:
         return sglang_sampling_params(params, send_seed=self.honours_seeds)
 
     def _check_can_generate(self) -> None:
-        if self._memory != "awake":
-            state = "asleep" if self._memory == "asleep" else "woken but without KV cache"
+        # "weights_only" with valid weights (published after wake()) is fine: the first request
+        # restores the KV cache and CUDA graphs (_restore_kv)
+        if self._memory == "asleep":
             raise RuntimeError(
-                f"generate() while the engine is {state}: in sleep mode call wake() and then "
+                "generate() while the engine is asleep: in sleep mode call wake() and then "
                 "publish_weights(...) before generating"
             )
         if not self._has_weights:
@@ -951,23 +1079,46 @@ class SGLangEngine:
                 task.cancel()
             raise
 
-    async def _generate_one(self, req: GenerateRequest, params: dict[str, Any]) -> Completion:
+    async def _generate_one(
+        self,
+        req: GenerateRequest,
+        params: dict[str, Any],
+        call: _StreamCall | None = None,
+        index: int = -1,
+    ) -> Completion:
+        """One request, from the gate to its completion; ``call`` / ``index``: the stream call it
+        belongs to (a request of a stopping stream that has not been admitted ends empty)."""
         assert self._cond is not None
+
+        def stopped() -> bool:
+            return self._aborting or (call is not None and call.stopping)
+
         async with self._cond:
             self._waiting += 1
             try:
-                await self._cond.wait_for(lambda: self._aborting or self._gate_open())
+                while True:
+                    await self._cond.wait_for(lambda: stopped() or self._gate_open())
+                    if stopped():
+                        break
+                    self._check_can_generate()
+                    if self._memory == "awake":
+                        break
+                    # the lock is held: the other requests wait until the KV cache is back,
+                    # and then check the gate again (it may have closed meanwhile)
+                    await self._restore_kv()
             finally:
                 self._waiting -= 1
                 self._cond.notify_all()
-            if self._aborting:
+            if stopped():
                 done = _empty_abort(req)
-                self._aborted.append(done)
+                if self._aborting:
+                    self._aborted.append(done)
                 return done
-            self._check_can_generate()
-            rid = f"{req.request_id}#{next(self._rids)}"
+            rid = engine_rid(next(self._rids), req.request_id)
             low = self._version
             self._inflight[rid] = req
+            if call is not None:
+                call.rids[index] = rid
         try:
             out = await self._engine.async_generate(
                 input_ids=list(req.prompt_ids),
@@ -983,6 +1134,91 @@ class SGLangEngine:
         if self._aborting:
             self._aborted.append(done)
         return done
+
+    async def _restore_kv(self) -> None:
+        """Sleep mode, first request after a publish: give the trainer's cached CUDA blocks back
+        to the driver (torch_memory_saver maps the engine's memory back with cuMemCreate, which
+        fails while this process's allocator keeps them), then restore KV cache and CUDA graphs.
+        Runs on the loop with the gate's lock held and nothing in flight."""
+        _cuda_release_cache()
+        await self._tm_await(
+            "resume_memory_occupation(kv_cache, cuda_graph)",
+            self._tm.resume_memory_occupation(
+                obj=self._api.ResumeMemoryOccupationReqInput(tags=[_MEM_KV, _MEM_GRAPH]),
+                request=None,
+            ),
+        )
+        self._memory = "awake"
+
+    async def _stream_start(self, call: _StreamCall, params: list[dict[str, Any]]) -> None:
+        if self._gate_open():
+            self._check_can_generate()  # fail fast, before any request is admitted
+        call.left = len(call.requests)
+        for i, (req, p) in enumerate(zip(call.requests, params)):
+            task = asyncio.ensure_future(self._generate_one(req, p, call, i))
+            task.add_done_callback(functools.partial(self._stream_part, call, i))
+            call.tasks.append(task)
+
+    def _stream_part(self, call: _StreamCall, index: int, task: asyncio.Task) -> None:
+        """A request of ``call`` ended (a done callback, on the loop): hand its completion to the
+        caller, or hold it (after the stop); stop the others once enough groups are complete."""
+        if call.closed or self._stream_failed(call, task):
+            return
+        done = task.result()
+        call.left -= 1
+        if call.stopping:
+            call.held[index] = done
+        else:
+            call.out.put(("part", done))
+            if done.finish_reason != "abort" and call.counter.finish(index):
+                call.stopping = True
+                call.stopper = asyncio.ensure_future(self._stop_stream(call))
+                call.stopper.add_done_callback(functools.partial(self._stream_failed, call))
+        if call.left == 0:
+            for i in sorted(call.held):
+                call.out.put(("part", call.held[i]))
+            call.out.put(("end", None))
+
+    @staticmethod
+    def _stream_failed(call: _StreamCall, task: asyncio.Task) -> bool:
+        """If ``task`` (of ``call``) failed: hand the error to the caller, who raises it and then
+        closes the call; True then."""
+        if not task.cancelled() and task.exception() is None:
+            return False
+        if not call.closed:
+            call.closed = True
+            error = None if task.cancelled() else task.exception()
+            call.out.put(("error", error or RuntimeError("stream(): a request was cancelled")))
+        return True
+
+    async def _stop_stream(self, call: _StreamCall) -> None:
+        """Stop the call's requests: those waiting at the gate end empty (woken here, they see
+        ``call.stopping``); each one in SGLang is aborted by its rid, once."""
+        await self._notify()
+        for rid in call.rids.values():
+            if rid in self._inflight and rid not in call.aborted:
+                call.aborted.add(rid)
+                self._tm.abort_request(rid=rid)
+
+    async def _stream_close(self, call: _StreamCall, paused_wait_s: float = 0.5) -> None:
+        """The caller closed the stream before its end: drop what comes, stop the rest, wait
+        until it has ended. While paused only ``paused_wait_s``: the retracted requests answer
+        their abort at once, a request still held in the tokenizer manager only after resume()."""
+        call.closed = True
+        call.stopping = True
+        await self._stop_stream(call)
+        pending = [t for t in call.tasks if not t.done()]
+        if not pending:
+            return
+        _, pending_set = await asyncio.wait(
+            pending, timeout=paused_wait_s if self._paused else self._call_timeout_s
+        )
+        if pending_set and not self._paused:
+            raise TimeoutError(
+                f"stream(): {len(pending_set)} aborted requests did not end within "
+                f"{self._call_timeout_s:g} s (engine.call_timeout_s); the SGLang scheduler is "
+                "not answering"
+            )
 
     async def _drain(self) -> None:
         """Wait until no request is in flight (the gate must already be closed)."""
@@ -1014,7 +1250,7 @@ class SGLangEngine:
         if self._memory == "asleep":
             raise RuntimeError(
                 "publish_weights() while the engine sleeps: call wake() first (sleep mode "
-                "sequence: wake -> publish_weights -> generate ... -> sleep)"
+                "sequence: wake -> publish_weights -> generate / stream ... -> sleep)"
             )
         self._publishing = True  # no new request starts until the last bucket is in
         try:
@@ -1068,15 +1304,8 @@ class SGLangEngine:
                 )
             ),
         )
-        if self._memory == "weights_only":
-            await self._tm_await(
-                "resume_memory_occupation(kv_cache, cuda_graph)",
-                self._tm.resume_memory_occupation(
-                    obj=self._api.ResumeMemoryOccupationReqInput(tags=[_MEM_KV, _MEM_GRAPH]),
-                    request=None,
-                ),
-            )
-            self._memory = "awake"
+        # sleep mode: the KV cache and CUDA graphs stay released until the first request
+        # (_restore_kv), so the trainer can offload in between
         self._version = version
         self._has_weights = True
         self._publishing = False
@@ -1163,25 +1392,28 @@ class SGLangEngine:
         return done
 
     async def _sleep_async(self) -> None:
-        if self._memory == "asleep":
-            return
-        if self._inflight:
-            raise RuntimeError(
-                f"sleep() needs an idle engine, {len(self._inflight)} requests are in flight; "
-                "wait for them or abort() first"
+        assert self._cond is not None
+        async with self._cond:  # no request is admitted (nor the KV cache restored) meanwhile
+            if self._memory == "asleep":
+                return
+            if self._inflight:
+                raise RuntimeError(
+                    f"sleep() needs an idle engine, {len(self._inflight)} requests are in "
+                    "flight; wait for them or abort() first"
+                )
+            # release asserts that the scheduler is fully idle (fatal otherwise); a successful
+            # flush proves it. After wake() (and a publish) without generating, only the weights
+            # hold memory (no KV to flush).
+            if self._memory == "awake":
+                await self._flush("before releasing the engine's memory")
+            tags = [_MEM_WEIGHTS] if self._memory == "weights_only" else None  # None = all
+            await self._tm_await(
+                f"release_memory_occupation({tags or 'all'})",
+                self._tm.release_memory_occupation(
+                    obj=self._api.ReleaseMemoryOccupationReqInput(tags=tags), request=None
+                ),
             )
-        # release asserts that the scheduler is fully idle (fatal otherwise); a successful flush
-        # proves it. After wake() without a publish only the weights hold memory (no KV to flush).
-        if self._memory == "awake":
-            await self._flush("before releasing the engine's memory")
-        tags = [_MEM_WEIGHTS] if self._memory == "weights_only" else None  # None = all
-        await self._tm_await(
-            f"release_memory_occupation({tags or 'all'})",
-            self._tm.release_memory_occupation(
-                obj=self._api.ReleaseMemoryOccupationReqInput(tags=tags), request=None
-            ),
-        )
-        self._memory = "asleep"
+            self._memory = "asleep"
 
     async def _wake_async(self) -> None:
         if self._memory != "asleep":

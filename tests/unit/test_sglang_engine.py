@@ -12,7 +12,10 @@ rules (update_weights_from_tensor only inside a begin/end session, waits for run
 unless paused; release needs an idle engine; released weights are garbage until pushed again;
 generating with a released KV cache fails; a version change records (old version, tokens so far)
 for every live request; aborting a retracted request returns what was streamed so far, a
-multiple of 50 tokens). Every call is recorded, so the tests assert the exact call sequence.
+multiple of 50 tokens; ``abort_request(rid=...)`` is sent at most once per rid and only for a
+rid the tokenizer manager knows (an empty one is ignored), and the scheduler then aborts every
+request it holds whose rid starts with it, a request still held in the tokenizer manager by a
+pause not included). Every call is recorded, so the tests assert the exact call sequence.
 
 It is as unforgiving as 0.5.23 where the backend's correctness depends on it:
     * fatal scheduler errors are process death, not exceptions: a wrong weight shape, pushing into
@@ -57,7 +60,7 @@ import torch
 import minippo.engine._sglang_process as process_care
 import minippo.engine.sglang_engine as backend
 from minippo.config import instantiate
-from minippo.engine import SamplingParams
+from minippo.engine import GenerateRequest, SamplingParams
 from minippo.engine.sglang_engine import (
     SGLangEngine,
     completion_from_output,
@@ -184,6 +187,7 @@ class _Req:
     logprobs: list[float] = field(default_factory=list)
     events: list[tuple[str, int]] = field(default_factory=list)  # (old version, n tokens)
     dispatched: bool = False
+    abort_sent: bool = False  # the tokenizer manager's ReqState.abort_sent
     retracted: bool = False
     abort: bool = False
     finish: dict | None = None
@@ -224,6 +228,12 @@ class FakeTokenizerManager:
     def abort_request(self, rid: str = "", abort_all: bool = False):
         e = self.e
         e.log.append(("abort_request", rid, abort_all))
+        if not abort_all:  # the tokenizer manager: by the rid's state, at most once per rid
+            state = e.live.get(rid) if rid else None  # an empty rid is ignored
+            if state is None or state.abort_sent:
+                return
+            state.abort_sent = True
+        # the scheduler: every request it holds whose rid starts with ``rid``
         for r in list(e.live.values()):
             if (abort_all or r.rid.startswith(rid)) and r.dispatched and r.finish is None:
                 if r.retracted:  # in the waiting queue: what was streamed so far
@@ -656,13 +666,15 @@ class TestSGLangEngineProtocol(EngineProtocolSuite):
     @pytest.fixture
     def harness(self, fake, model_path):
         return EngineHarness(
-            make_engine=lambda: make_engine(model_path),
+            # the suite generates after sleep() / wake() without a publish: keep a host copy
+            make_engine=lambda: make_engine(model_path, weights_cpu_backup=True),
             vocab_size=ARGS.vocab_size,
             max_seq_len=ARGS.max_seq_len,
             weights=weights,
             reference_logprobs=reference_logprobs,
             logprob_tol=1e-4,
             long_tokens=200,  # ~1 s on the stand-in: still running 50 ms after submission
+            exact_stops=False,  # a stream's aborts land at SGLang's next step
         )
 
 
@@ -763,24 +775,104 @@ def test_sleep_wake_ordering(fake, model_path):
         eng.generate([r])  # weights are garbage, KV cache still released
     del f.log[:]
     eng.publish_weights(weights(1), version=1)
-    assert [c[0] for c in calls(f) if c[0] != "ipc_collect"][-6:] == [
+    # the KV cache and CUDA graphs stay released: the trainer may offload now
+    assert [c[0] for c in calls(f) if c[0] != "ipc_collect"][-4:] == [
         "update_weights_from_tensor",
-        "empty_cache",  # before the KV cache is mapped back
         "end_weight_update",
         "flush_cache",
         "update_weight_version",
-        "resume_memory_occupation",
     ]
-    assert calls(f)[-1] == ("resume_memory_occupation", ["kv_cache", "cuda_graph"])
-    (c,) = eng.generate([r])
+    assert "resume_memory_occupation" not in [c[0] for c in calls(f)]
+    assert f.released == {"kv_cache", "cuda_graph"}
+    del f.log[:]
+    (c,) = eng.generate([r])  # restores them first: empty_cache, resume, then the request
+    assert [x for x in f.log if x[0] != "finish"] == [
+        ("empty_cache",),
+        ("resume_memory_occupation", ["kv_cache", "cuda_graph"]),
+        ("dispatch", "1#a"),
+    ]
     assert c.versions == [1] * 4
     ref = reference_logprobs(1, r.prompt_ids, c.token_ids, 1.0)
     assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) <= 1e-4
+    eng.generate([r])
+    assert len(calls(f, "resume_memory_occupation")) == 1  # once per publish
     # sleeping again right after wake() (no publish) releases only the weights
     eng.sleep()
     eng.wake()
     eng.sleep()
     assert calls(f, "release_memory_occupation")[-1] == ("release_memory_occupation", ["weights"])
+    eng.shutdown()
+
+
+def test_sleep_mode_sequence_restores_kv_at_the_first_generation(fake, model_path):
+    """sleep -> wake -> publish -> [trainer offloads] -> generate / stream -> sleep: the exact
+    calls; the KV cache comes back only when a request is about to be admitted, once, after the
+    trainer's cached CUDA blocks went back to the driver."""
+    eng = make_engine(model_path)
+    f = fake[-1]
+    r = req([1, 2, 3], "a", max_new_tokens=3, seed=1)
+    eng.generate([r])
+    for version, first in ((1, "generate"), (2, "stream")):
+        del f.log[:]
+        eng.sleep()
+        eng.wake()
+        eng.publish_weights(weights(version), version=version)
+        names = [
+            c[0] for c in calls(f) if c[0] not in ("ipc_collect", "monkey_patch_torch_reductions")
+        ]
+        assert names == [
+            "flush_cache",
+            "flush_cache",
+            "release_memory_occupation",  # all
+            "empty_cache",
+            "resume_memory_occupation",  # weights
+            "begin_weight_update",
+            *["update_weights_from_tensor"] * len(weights(version)),
+            "end_weight_update",
+            "flush_cache",
+            "update_weight_version",
+        ]
+        assert calls(f, "release_memory_occupation", "resume_memory_occupation") == [
+            ("release_memory_occupation", None),
+            ("resume_memory_occupation", ["weights"]),
+        ]
+        n = len(f.log)
+        two = [req([1, 2], f"{first}{i}", max_new_tokens=3, seed=i) for i in range(2)]
+        if first == "generate":  # two calls at once: one restore, before either is admitted
+            threads = [run_in_thread(lambda x=x: eng.generate([x])) for x in two]
+            outs = [c for t, box in threads for c in join(t, box)]
+        else:
+            outs = list(eng.stream(two))
+        new = [c for c in f.log[n:] if c[0] not in ("finish",)]
+        assert new[:2] == [
+            ("empty_cache",),
+            ("resume_memory_occupation", ["kv_cache", "cuda_graph"]),
+        ]
+        assert [c[0] for c in new[2:]] == ["dispatch", "dispatch"]
+        assert all(c.versions == [version] * 3 for c in outs)
+        for c, x in zip(sorted(outs, key=lambda c: c.request_id), two):
+            ref = reference_logprobs(version, x.prompt_ids, c.token_ids, 1.0)
+            assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) <= 1e-4
+    eng.shutdown()
+
+
+def test_sleep_after_a_publish_without_generating(fake, model_path):
+    """A publish leaves only the weights in memory: sleeping then releases the weights only (a
+    release of the never-restored KV tags would be wrong) and the next cycle still works."""
+    eng = make_engine(model_path)
+    f = fake[-1]
+    eng.sleep()
+    eng.wake()
+    eng.publish_weights(weights(1), version=1)
+    eng.sleep()
+    assert calls(f, "release_memory_occupation")[-1] == ("release_memory_occupation", ["weights"])
+    assert f.released == {"weights", "kv_cache", "cuda_graph"}
+    with pytest.raises(RuntimeError, match="asleep"):
+        eng.generate([req([1], "a", max_new_tokens=2, seed=0)])
+    eng.wake()
+    eng.publish_weights(weights(2), version=2)
+    (c,) = eng.generate([req([1], "a", max_new_tokens=2, seed=0)])
+    assert c.versions == [2, 2] and f.released == set()
     eng.shutdown()
 
 
@@ -809,7 +901,7 @@ def test_overlap_mode_sleep_wake_are_noops(fake, model_path):
 def test_sleep_needs_idle_engine(fake, model_path):
     eng = make_engine(model_path)
     t, box = run_in_thread(lambda: eng.generate([req([1], "long", max_new_tokens=400, seed=0)]))
-    wait_for(lambda: fake[-1].progress().get("long#0", 0) >= 2)
+    wait_for(lambda: fake[-1].progress().get("0#long", 0) >= 2)
     with pytest.raises(RuntimeError, match="idle"):
         eng.sleep()
     eng.abort()
@@ -823,13 +915,13 @@ def test_partial_rollout_versions_are_exact(fake, model_path):
     f = fake[-1]
     r = req([5, 6, 7], "span", max_new_tokens=150, seed=11)
     t, box = run_in_thread(lambda: eng.generate([r]))
-    wait_for(lambda: f.progress().get("span#0", 0) >= 5)
+    wait_for(lambda: f.progress().get("0#span", 0) >= 5)
     eng.pause()
     (pause,) = calls(f, "pause_generation")
     assert pause[1] == "retract"
-    n_old = pause[2]["span#0"]
+    n_old = pause[2]["0#span"]
     time.sleep(0.02)
-    assert f.progress()["span#0"] == n_old  # paused: no token is produced
+    assert f.progress()["0#span"] == n_old  # paused: no token is produced
     eng.publish_weights(weights(1), version=1)
     eng.resume()
     (c,) = join(t, box)
@@ -852,7 +944,7 @@ def test_publish_without_pause_drains_and_holds_new_requests(fake, model_path):
     f = fake[-1]
     first = req([1, 2], "first", max_new_tokens=120, seed=1)
     t1, box1 = run_in_thread(lambda: eng.generate([first]))
-    wait_for(lambda: f.progress().get("first#0", 0) >= 3)
+    wait_for(lambda: f.progress().get("0#first", 0) >= 3)
     t_pub, box_pub = run_in_thread(lambda: eng.publish_weights(weights(1), version=1))
     time.sleep(0.02)
     second = req([3, 4], "second", max_new_tokens=5, seed=2)
@@ -864,8 +956,8 @@ def test_publish_without_pause_drains_and_holds_new_requests(fake, model_path):
     assert c2.versions == [1] * 5
     log = f.log
     begin = max(i for i, x in enumerate(log) if x[0] == "begin_weight_update")
-    assert log.index(("finish", "first#0", "length", 120)) < begin  # drained first
-    assert log.index(("update_weight_version", "1", False)) < log.index(("dispatch", "second#1"))
+    assert log.index(("finish", "0#first", "length", 120)) < begin  # drained first
+    assert log.index(("update_weight_version", "1", False)) < log.index(("dispatch", "1#second"))
     eng.shutdown()
 
 
@@ -874,7 +966,7 @@ def test_abort_of_a_running_request_returns_all_its_tokens(fake, model_path):
     f = fake[-1]
     r = req([1, 2], "a", max_new_tokens=400, seed=0)
     t, box = run_in_thread(lambda: eng.generate([r]))
-    wait_for(lambda: f.progress().get("a#0", 0) >= 3)
+    wait_for(lambda: f.progress().get("0#a", 0) >= 3)
     (partial,) = eng.abort()
     (c,) = join(t, box)
     assert partial.finish_reason == "abort" and 3 <= len(partial.token_ids) < 400
@@ -894,9 +986,9 @@ def test_abort_while_paused_returns_the_streamed_prefix(fake, model_path):
     f = fake[-1]
     r = req([1, 2], "a", max_new_tokens=400, seed=0)
     t, box = run_in_thread(lambda: eng.generate([r]))
-    wait_for(lambda: f.progress().get("a#0", 0) >= 60)
+    wait_for(lambda: f.progress().get("0#a", 0) >= 60)
     eng.pause()
-    n = calls(f, "pause_generation")[0][2]["a#0"]
+    n = calls(f, "pause_generation")[0][2]["0#a"]
     (partial,) = eng.abort()
     (c,) = join(t, box)
     assert c == partial and c.finish_reason == "abort"
@@ -910,6 +1002,174 @@ def test_abort_while_paused_returns_the_streamed_prefix(fake, model_path):
     assert t2.is_alive()
     eng.resume()
     assert join(t2, box2)[0].finish_reason == "length"
+    eng.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# Streams: finishing order, per-request aborts, partials with exact versions
+
+
+def greq(prompt, rid, group=None, **params) -> GenerateRequest:
+    return GenerateRequest(list(prompt), SamplingParams(**params), rid, group=group)
+
+
+def aborts(f: FakeEngine) -> list[tuple]:
+    return calls(f, "abort_request")
+
+
+def test_stream_hands_over_each_completion_when_it_ends(fake, model_path):
+    eng = make_engine(model_path)
+    f = fake[-1]
+    reqs = [greq([1, 2], "long", max_new_tokens=400, seed=0), greq([3], "short", max_new_tokens=2)]
+    it = eng.stream(reqs)
+    first = next(it)
+    assert first.request_id == "short" and first.finish_reason == "length"
+    assert 0 < f.progress()["0#long"] < 400  # still generating when the first one came
+    (last,) = list(it)
+    assert last.request_id == "long" and len(last.token_ids) == 400
+    assert aborts(f) == []  # no until_groups: nothing is stopped
+    eng.shutdown()
+
+
+def test_stream_until_groups_aborts_the_rest_with_exact_versions(fake, model_path):
+    """pause -> publish -> resume while a stream runs; group g completes, the tail is aborted by
+    its rid: every completion's tokens carry the version that sampled them, and each part
+    matches the trainer's weights of that version."""
+    eng = make_engine(model_path)
+    f = fake[-1]
+    reqs = [
+        greq([5, 6, 7], "tail", max_new_tokens=400, seed=3),
+        greq([1, 2], "g0", group="g", max_new_tokens=120, seed=1),
+        greq([2, 1], "g1", group="g", max_new_tokens=90, seed=2),
+    ]
+    t, box = run_in_thread(lambda: list(eng.stream(reqs, until_groups=1)))
+    wait_for(lambda: f.progress().get("0#tail", 0) >= 5)
+    eng.pause()
+    at_pause = calls(f, "pause_generation")[0][2]
+    eng.publish_weights(weights(1), version=1)
+    eng.resume()
+    outs = join(t, box)
+    assert [c.request_id for c in outs] == ["g1", "g0", "tail"]
+    assert [c.finish_reason for c in outs] == ["length", "length", "abort"]
+    assert aborts(f) == [("abort_request", "0#tail", False)]  # one request, by its rid
+    tail = outs[-1]
+    assert 90 <= len(tail.token_ids) < 400
+    for c, rid in zip(outs, ("2#g1", "1#g0", "0#tail")):
+        n_old = at_pause[rid]
+        assert 0 < n_old < len(c.token_ids)
+        assert c.versions == [0] * n_old + [1] * (len(c.token_ids) - n_old)
+        r = next(x for x in reqs if x.request_id == c.request_id)
+        old = reference_logprobs(0, r.prompt_ids, c.token_ids, 1.0)
+        new = reference_logprobs(1, r.prompt_ids, c.token_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(c.logprobs[:n_old], old[:n_old])) <= 1e-4
+        assert max(abs(a - b) for a, b in zip(c.logprobs[n_old:], new[n_old:])) <= 1e-4
+    eng.sleep()  # nothing of the call is left in flight
+    eng.shutdown()
+
+
+def test_stream_stops_only_its_own_requests_beside_a_generate(fake, model_path):
+    """SGLang aborts every rid that starts with the aborted one: the stream's "1#x" must not hit
+    the concurrent generate's "10#x" (with "<id>#<counter>" rids, "x#1" would hit "x#10")."""
+    eng = make_engine(model_path)
+    f = fake[-1]
+    reqs = [
+        greq([1], "g0", group="g", max_new_tokens=2, seed=0),
+        greq([1, 2], "x", max_new_tokens=400, seed=1),
+        greq([2], "g1", group="g", max_new_tokens=150, seed=2),
+    ]
+    ts, box_s = run_in_thread(lambda: list(eng.stream(reqs, until_groups=1)))
+    wait_for(lambda: any(n >= 3 for rid, n in f.progress().items() if "g1" in rid))
+    fillers = [greq([3], f"f{i}", max_new_tokens=1, seed=i) for i in range(7)]
+    other = greq([1, 2], "x", max_new_tokens=400, seed=5)
+    tg, box_g = run_in_thread(lambda: eng.generate([*fillers, other]))
+    outs = join(ts, box_s)
+    assert [c.request_id for c in outs] == ["g0", "g1", "x"]
+    assert outs[-1].finish_reason == "abort" and len(outs[-1].token_ids) < 400
+    got = join(tg, box_g)[-1]
+    assert got.finish_reason == "length" and len(got.token_ids) == 400
+    assert {"1#x", "10#x"} <= set(f.sampling)
+    assert aborts(f) == [("abort_request", "1#x", False)]
+    eng.shutdown()
+
+
+def test_stream_closed_early_aborts_the_rest_and_waits_for_them(fake, model_path):
+    eng = make_engine(model_path)
+    f = fake[-1]
+    longs = [greq([1, 2], f"long{i}", max_new_tokens=400, seed=i) for i in range(2)]
+    it = eng.stream([greq([3], "short", max_new_tokens=1, seed=0), *longs])
+    assert next(it).request_id == "short"
+    it.close()
+    assert f.live == {}  # both ended before close() returned
+    assert aborts(f) == [("abort_request", "1#long0", False), ("abort_request", "2#long1", False)]
+    ended = [c for c in f.log if c[0] == "finish" and "#long" in c[1]]
+    assert [c[2] for c in ended] == ["abort", "abort"] and all(c[3] < 400 for c in ended)
+    eng.sleep()  # idle at once
+    eng.wake()
+    eng.publish_weights(weights(1), version=1)
+    # dropping the iterator after a break closes it as well
+    for c in eng.stream([greq([3], "short", max_new_tokens=1, seed=0), *longs]):
+        assert c.request_id == "short"
+        break
+    assert f.live == {} and len(aborts(f)) == 4
+    (c,) = eng.generate([greq([1], "after", max_new_tokens=2, seed=0)])
+    assert c.finish_reason == "length" and c.versions == [1, 1]
+    eng.shutdown()
+
+
+def test_stream_closed_while_paused_returns_at_once_and_stays_paused(fake, model_path):
+    """While paused the stream's retracted requests are aborted where they wait (their abort is
+    answered at once); nothing else runs: no continue_generation, and the engine stays paused."""
+    eng = make_engine(model_path)
+    f = fake[-1]
+    it = eng.stream([greq([1, 2], f"long{i}", max_new_tokens=400, seed=i) for i in range(2)])
+    wait_for(lambda: min(f.progress().get(f"{i}#long{i}", 0) for i in range(2)) >= 3)
+    eng.pause()
+    steps = f.steps
+    t0 = time.monotonic()
+    it.close()
+    assert time.monotonic() - t0 < 5.0 and f.live == {} and f.steps == steps
+    assert [c[0] for c in calls(f)][-3:] == ["pause_generation", "abort_request", "abort_request"]
+    # a stream started while paused waits at the gate: closing it ends its requests unsent
+    gated = eng.stream([greq([1], "gated", max_new_tokens=2, seed=0)])
+    gated.close()
+    assert "gated" not in str(f.log) and f.live == {}
+    t, box = run_in_thread(lambda: eng.generate([greq([1], "b", max_new_tokens=2, seed=0)]))
+    time.sleep(0.05)
+    assert t.is_alive()  # still paused
+    eng.resume()
+    assert join(t, box)[0].finish_reason == "length"
+    eng.shutdown()
+
+
+def test_engine_abort_ends_a_stream_with_its_partials(fake, model_path):
+    eng = make_engine(model_path)
+    f = fake[-1]
+    reqs = [greq([1, 2], f"r{i}", group="g", max_new_tokens=400, seed=i) for i in range(2)]
+    t, box = run_in_thread(lambda: list(eng.stream(reqs, until_groups=1)))
+    wait_for(lambda: min(f.progress().get(f"{i}#r{i}", 0) for i in range(2)) >= 3)
+    partial = eng.abort()
+    outs = join(t, box)
+    assert sorted(c.request_id for c in outs) == ["r0", "r1"]
+    assert all(c.finish_reason == "abort" and 3 <= len(c.token_ids) < 400 for c in outs)
+    assert {c.request_id: c for c in partial} == {c.request_id: c for c in outs}
+    assert aborts(f) == [("abort_request", "", True)]  # an aborted group is not complete
+    (c,) = eng.generate([greq([1], "after", max_new_tokens=2, seed=0)])
+    assert c.finish_reason == "length"
+    eng.shutdown()
+
+
+def test_stream_refuses_before_admitting_anything(fake, model_path):
+    eng = make_engine(model_path, publish_v0=False)
+    f = fake[-1]
+    with pytest.raises(RuntimeError, match="publish_weights"):
+        eng.stream([greq([1], "a", max_new_tokens=2)])
+    eng.publish_weights(weights(0), version=0)
+    eng.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        eng.stream([greq([1], "a", max_new_tokens=2)])
+    with pytest.raises(ValueError, match="until_groups"):
+        eng.stream([greq([1], "a", max_new_tokens=2)], until_groups=True)
+    assert calls(f, "dispatch") == [] and list(eng.stream([])) == []
     eng.shutdown()
 
 
@@ -1055,10 +1315,10 @@ def test_deterministic_inference_honours_seeds_and_seeds_unseeded_requests(fake,
     unseeded = [req([1, 2], f"u{i}", temperature=1.0, max_new_tokens=12) for i in range(2)]
     u = eng.generate(unseeded)
     assert u[0].token_ids != u[1].token_ids
-    sent = [f.sampling[rid]["sampling_seed"] for rid in f.sampling if rid.startswith("u")]
+    sent = [f.sampling[rid]["sampling_seed"] for rid in f.sampling if "#u" in rid]
     assert len(set(sent)) == 2
     greedy = eng.generate([req([1, 2], "g", temperature=0.0, max_new_tokens=3)])
-    assert greedy and "sampling_seed" not in f.sampling["g#4"]
+    assert greedy and "sampling_seed" not in f.sampling["4#g"]
     eng.shutdown()
 
 
@@ -1295,9 +1555,9 @@ def test_failed_publish_while_paused_aborts_the_retracted_requests(fake, model_p
     f = fake[-1]
     r = req([5, 6, 7], "span", max_new_tokens=150, seed=11)
     t, box = run_in_thread(lambda: eng.generate([r]))
-    wait_for(lambda: f.progress().get("span#0", 0) >= 55)
+    wait_for(lambda: f.progress().get("0#span", 0) >= 55)
     eng.pause()
-    n_pause = calls(f, "pause_generation")[0][2]["span#0"]
+    n_pause = calls(f, "pause_generation")[0][2]["0#span"]
 
     def half_then_fail():
         yield weights(1)[0]

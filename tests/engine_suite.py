@@ -457,6 +457,7 @@ class EngineProtocolSuite:
                 assert time.monotonic() < deadline, "the closed stream kept generating"
                 time.sleep(0.05)
         engine.wake()
+        engine.publish_weights(harness.weights(1), version=1)  # what a backend may need after wake
         (c,) = engine.generate([req(harness.prompt, "after", max_new_tokens=2, seed=0)])
         assert c.finish_reason == "length"
 

@@ -227,13 +227,28 @@ def test_activation_checkpointing_run_matches_plain_run(tmp_path):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
 
 
-@pytest.mark.parametrize("correction", ["EWMA", "KeepOldActor"])
-def test_resume_equals_uninterrupted_run(tmp_path, correction):
+RESUME_CASES = {
+    "EWMA": [],
+    # its snapshot of version 1 serves the saved batch of step 2
+    "KeepOldActor": ["correction._component_=minippo.rl.correction.KeepOldActor"],
+    # stopped inside a sync cycle (steps 0-2): step 2 anchors with the saved published weights,
+    # and the engine is refilled with them, not with the actor's
+    "TIS_sync_every_3": [
+        "correction._component_=minippo.rl.correction.TIS",
+        "rollout.sync_every=3",
+    ],
+    # the carried groups (partial tokens included) are saved and continue after the resume
+    "alternate": ["rollout.mode=alternate", "rollout.oversample=1.5"],
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_equals_uninterrupted_run(tmp_path, case):
     full, part = tmp_path / "full", tmp_path / "part"
     # the LR schedule's horizon is fixed, so the run stopped at step 2 decays like the full one
     common = [*FAST, "checkpoint.every_n_steps=2", "lr_scheduler.total_steps=4"]
-    if correction == "KeepOldActor":  # its snapshot of version 1 serves the saved batch of step 2
-        common += ["correction._component_=minippo.rl.correction.KeepOldActor"]
+    common += RESUME_CASES[case]
+    if case in ("KeepOldActor", "TIS_sync_every_3"):
         common += ["~correction.reset_below"]
     results = run_recipes(
         [
@@ -248,7 +263,8 @@ def test_resume_equals_uninterrupted_run(tmp_path, correction):
     assert [r["step"] for r in a] == [0, 1, 2, 3] and [r["step"] for r in b] == [0, 1, 2, 3]
     for ra, rb in zip(a, b):
         assert_same(stable(ra), stable(rb))
-    assert a[3]["rollout/staleness_mean"] == 1.0  # the resumed batch was the saved, stale one
+    if case in ("EWMA", "KeepOldActor"):
+        assert a[3]["rollout/staleness_mean"] == 1.0  # the resumed batch was the saved, stale one
 
 
 def test_bad_configs_fail_before_anything_is_built(tmp_path):

@@ -8,7 +8,8 @@ problem it finds at once, one line each, naming the key or the file and the fix:
   (:data:`ASYNC_PPO_SCHEMA`; unknown keys, from a YAML file as from the command line, get the
   closest declared keys), every ``_component_`` imported and bound to its signature, the
   behaviour-policy correction contract, and the rollout.mode of an SGLang engine on the
-  trainer's GPU (``minippo.plan.shared_gpu_problems``). The recipe's ``validate_config`` adds its shape checks.
+  trainer's GPU (``minippo.plan.shared_gpu_problems``). The recipe's ``validate_config`` adds
+  its shape checks.
 * :func:`input_problems`: the files: ``output_dir`` and the paths under it, ``checkpoint_path``
   (config.json and every safetensors file complete), the dataset's local files (present,
   non-empty, in their format), the tokenizer against the model's vocabulary, and the checkpoint

@@ -10,7 +10,14 @@ Two ways to the same question:
 
 :mod:`minippo.plan.config` reads a run config into the plan's inputs, asking the components it
 names (correction class, engine class, advantage estimator) for what the config leaves out.
+``rollout.mode`` decides the phases: in ``overlap`` the engine's share and the trainer's peak are
+counted at once; in ``alternate`` generation (engine + the trainer's resident state) and training
+(the trainer's peak, the engine asleep) take turns, and the verdict is on the larger.
 docs/memory.md compares both with measured peaks.
+
+:mod:`minippo.plan.gpu_sharing` holds the preflight refusals for an SGLang engine on the
+trainer's GPU (:func:`shared_gpu_problems`) and the trainer's allocator cap when both share it at
+once (:func:`trainer_memory_fraction`).
 """
 
 from minippo.plan.config import (
@@ -18,6 +25,7 @@ from minippo.plan.config import (
     engine_options,
     plan_from_config,
     plan_inputs_from_config,
+    rollout_mode,
 )
 from minippo.plan.formula import (
     ActivationBytes,
@@ -32,6 +40,7 @@ from minippo.plan.formula import (
     plan_memory,
     scoring_bytes,
 )
+from minippo.plan.gpu_sharing import shared_gpu_problems, trainer_memory_fraction
 from minippo.plan.measured import MeasuredPeak, measure_from_config, measure_step
 
 __all__ = [
@@ -52,5 +61,8 @@ __all__ = [
     "plan_from_config",
     "plan_inputs_from_config",
     "plan_memory",
+    "rollout_mode",
     "scoring_bytes",
+    "shared_gpu_problems",
+    "trainer_memory_fraction",
 ]

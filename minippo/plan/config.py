@@ -10,6 +10,9 @@ Each input is read from the one config key the recipe reads (``ppo.micro_batch_s
                            its own defaults); an absent node is NoCorrection, as in the recipe
     engine                 options the node omits (mem_fraction_static, memory_mode,
                            weights_cpu_backup) take the engine class's signature defaults
+    rollout mode           rollout.mode (absent: "overlap", the recipe's default) decides whether
+                           the engine's share is alive while the trainer trains;
+                           rollout.offload_trainer (absent: false) only counts in alternate mode
 """
 
 from __future__ import annotations
@@ -24,19 +27,30 @@ from omegaconf import DictConfig, OmegaConf
 
 from minippo.config import ConfigError, dtype_bytes, locate
 from minippo.models.logprobs import DEFAULT_CHUNK_SIZE
-from minippo.plan.formula import CorrectionCost, GiB, MemoryPlan, PlanInputs, plan_memory
+from minippo.plan.formula import (
+    ROLLOUT_MODES,
+    CorrectionCost,
+    GiB,
+    MemoryPlan,
+    PlanInputs,
+    plan_memory,
+)
 from minippo.rl.advantages import needs_critic
 from minippo.training.optimizers import optimizer_spec
 
 __all__ = [
+    "DEFAULT_GPU_MEM_GIB",
     "MASTER_DTYPE",
     "NO_CORRECTION",
     "correction_cost",
     "engine_options",
     "plan_from_config",
     "plan_inputs_from_config",
+    "rollout_mode",
 ]
 
+# One GPU's memory when the caller gives none (``minippo plan``'s default too).
+DEFAULT_GPU_MEM_GIB = 80.0
 # The recipe builds every model in fp32 and trains either unsharded in fp32 (one process) or with
 # FSDP2 mixed precision over those fp32 master weights (``dtype`` is the compute dtype).
 MASTER_DTYPE = "fp32"
@@ -247,6 +261,14 @@ def engine_options(cfg: DictConfig) -> tuple[type | None, dict[str, Any]]:
     return cls, out
 
 
+def rollout_mode(cfg: DictConfig) -> str:
+    """``rollout.mode``: "alternate" or "overlap" (the recipe's default when the key is absent)."""
+    mode = str(_select(cfg, "rollout.mode", "overlap"))
+    if mode not in ROLLOUT_MODES:
+        raise ConfigError(f"rollout.mode={mode!r} must be one of {', '.join(ROLLOUT_MODES)}")
+    return mode
+
+
 def plan_inputs_from_config(
     cfg: DictConfig,
     *,
@@ -282,7 +304,7 @@ def plan_inputs_from_config(
     max_staleness = int(_select(cfg, "rollout.max_staleness"))
     gpu = None
     if device == "cuda":
-        gpu = int((gpu_mem_gib if gpu_mem_gib is not None else 80.0) * GiB)
+        gpu = int((gpu_mem_gib if gpu_mem_gib is not None else DEFAULT_GPU_MEM_GIB) * GiB)
     fraction = engine.get("mem_fraction_static") if device == "cuda" else None
     return PlanInputs(
         actor=actor,
@@ -306,7 +328,8 @@ def plan_inputs_from_config(
         ),
         score_rows=_score_rows(cfg, world_size),
         engine_mem_fraction=None if fraction is None else float(fraction),
-        engine_sleeps=engine.get("memory_mode") == "sleep",
+        rollout_mode=rollout_mode(cfg),
+        offload_trainer=bool(_select(cfg, "rollout.offload_trainer", False)),
         engine_weights_host_copy=bool(engine.get("weights_cpu_backup", False)),
         gpu_mem_bytes=gpu,
     )

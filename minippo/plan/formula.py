@@ -29,8 +29,21 @@ bytes; T = micro_batch · seq_len tokens, R = micro_batch · response_len scored
 
 Actor and critic run their backward passes one after the other, so only the larger of their
 activation sets is counted at the peak. Gradients and training activations (the "train" phase)
-and the no-grad passes (the "score" phase) are never alive together: the peak is the larger
-phase on top of everything else.
+and the no-grad passes (the "score" phase) are never alive together: the trainer's peak is the
+larger phase on top of everything else.
+
+``rollout.mode`` decides when the engine's share is alive:
+
+    overlap      the engine generates while the trainer trains: engine + trainer peak at once
+    alternate    two phases that take turns on the GPU:
+                 generation = engine + what the trainer keeps on the device between steps
+                   (parameters, optimizer states, reference, the correction's device copies, CUDA
+                   context; the actor's and critic's parameters and optimizer states go to pinned
+                   host memory with rollout.offload_trainer); gradients are freed at every
+                   optimizer step, activations and FSDP's unsharded parameters after each pass
+                 training = trainer peak + what the engine keeps after releasing its memory
+                   (ENGINE_AFTER_RELEASE_BYTES: not sized, counted 0)
+                 the verdict is on the larger phase
 """
 
 from __future__ import annotations
@@ -66,6 +79,11 @@ __all__ = [
 
 GiB = 1 << 30
 CUDA_CONTEXT_BYTES = 1 * GiB
+# What SGLang keeps on the GPU after release_memory_occupation (weights, KV cache and CUDA graphs
+# released): the review of its source (docs/sglang-review.md) gives no figure; its scheduler
+# process keeps at least its own CUDA context, which is not counted in overlap mode either.
+ENGINE_AFTER_RELEASE_BYTES = 0
+ROLLOUT_MODES = ("alternate", "overlap")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,8 +272,11 @@ class PlanInputs:
         correction:              :class:`CorrectionCost` of the correction class
         score_rows:              sequences per forward of the no-grad passes (None: micro_batch)
         engine_mem_fraction:     fraction of GPU memory the engine takes (GPU only)
-        engine_sleeps:           SGLang memory_mode "sleep": the engine releases its memory while
-                                 the trainer trains (not counted at the peak)
+        rollout_mode:            "overlap" (the engine generates while the trainer trains) or
+                                 "alternate" (they take turns; the engine releases its memory
+                                 while the trainer trains): see the module docstring
+        offload_trainer:         alternate mode: the actor's and critic's parameters and optimizer
+                                 states wait in pinned host memory while the engine generates
         engine_weights_host_copy: sleep mode with weights_cpu_backup: a bf16 host copy of the
                                  full weights
         gpu_mem_bytes:           memory of one GPU (None on CPU)
@@ -278,7 +299,8 @@ class PlanInputs:
     correction: CorrectionCost
     score_rows: int | None = None
     engine_mem_fraction: float | None = None
-    engine_sleeps: bool = False
+    rollout_mode: str = "overlap"
+    offload_trainer: bool = False
     engine_weights_host_copy: bool = False
     gpu_mem_bytes: int | None = None
     mask: bool = True
@@ -300,6 +322,9 @@ class PlanItem:
     note: str = ""
     at_peak: bool = True  # False: listed, but not alive at the same time as the larger twin
     phase: str = "all"  # "train": only during PPO updates; "score": only in the no-grad passes
+    # while the engine generates (rollout.mode=alternate): "kept" on the device, "offload" kept
+    # unless rollout.offload_trainer moves it to pinned host memory, "freed" not alive
+    while_generating: str = "kept"
 
 
 @dataclass
@@ -367,17 +392,54 @@ class MemoryPlan:
         return self._device(False) - self._sum("device", "CUDA") + host
 
     @property
-    def device_total(self) -> int:
-        """Bytes on the device at the peak, the engine's included (RAM column on CPU runs)."""
+    def alternates(self) -> bool:
+        """rollout.mode=alternate with an engine on the GPU: generation and training take turns."""
+        engine = any(i.name.startswith("engine") for i in self.items)
+        return engine and self.inputs.rollout_mode == "alternate"
+
+    @property
+    def training_total(self) -> int:
+        """Bytes on the device while the trainer trains, at its peak: the trainer, plus the
+        engine's share in overlap mode (in alternate mode the engine has released it:
+        ENGINE_AFTER_RELEASE_BYTES); RAM column on CPU runs."""
+        after_release = ENGINE_AFTER_RELEASE_BYTES if self.alternates else 0
         if self.measured is None:
-            return self._device(True)
+            return self._device(True) + after_release
         host = self._sum("host", "engine", without=True)
         engine = self._sum("device", "engine")
-        return self.measured.peak - host + self._sum("device", "CUDA") + engine
+        return self.measured.peak - host + self._sum("device", "CUDA") + engine + after_release
+
+    def generation_total(self, offload: bool | None = None) -> int:
+        """Bytes on the device while the engine generates in alternate mode: its share and what
+        the trainer keeps there between steps (items ``while_generating`` "kept", and "offload"
+        unless ``offload``; None: ``rollout.offload_trainer`` as configured). From the formulas
+        (the measured step does not generate)."""
+        offload = self.inputs.offload_trainer if offload is None else offload
+        return sum(
+            i.device
+            for i in self.items
+            if i.while_generating == "kept" or (i.while_generating == "offload" and not offload)
+        )
+
+    @property
+    def offloaded(self) -> int:
+        """Bytes rollout.offload_trainer moves to pinned host memory while the engine generates
+        (the actor's and critic's parameters and optimizer states on the device)."""
+        return sum(i.device for i in self.items if i.while_generating == "offload")
+
+    @property
+    def device_total(self) -> int:
+        """Bytes on the device at the peak, the engine's included (RAM column on CPU runs): in
+        alternate mode the larger of the generation and the training phase."""
+        if self.alternates:
+            return max(self.training_total, self.generation_total())
+        return self.training_total
 
     @property
     def host_total(self) -> int:
-        return sum(i.host for i in self.items)
+        """Host bytes of the items, plus the pinned buffers of rollout.offload_trainer."""
+        offload = self.alternates and self.inputs.offload_trainer
+        return sum(i.host for i in self.items) + (self.offloaded if offload else 0)
 
     @property
     def fits(self) -> bool | None:
@@ -443,12 +505,24 @@ class MemoryPlan:
                     f"host: {override} stores {_size(now_host - host)} less of the "
                     f"{x.correction.name} correction's weights in host memory"
                 )
-        if x.engine_mem_fraction and not x.engine_sleeps:
+        engine = int((x.engine_mem_fraction or 0) * (x.gpu_mem_bytes or 0))
+        if engine and not self.alternates:
             out.append(
                 f"engine: engine.mem_fraction_static={x.engine_mem_fraction} reserves "
-                f"{_size(int(x.engine_mem_fraction * (x.gpu_mem_bytes or 0)))}; a smaller "
-                "fraction leaves more for training (less KV cache), or engine.memory_mode=sleep "
-                "releases it while training (no overlap of generation and training)"
+                f"{_size(engine)}; a smaller fraction leaves more for training (less KV cache), "
+                "or rollout.mode=alternate (engine.memory_mode=sleep) releases it while the "
+                "trainer trains (generation and training take turns)"
+            )
+        if self.alternates and self.generation_total() > self.training_total:
+            if not x.offload_trainer:
+                out.append(
+                    f"generation: rollout.offload_trainer=true moves {_size(self.offloaded)} "
+                    "(actor/critic parameters and optimizer states) to pinned host memory while "
+                    "the engine generates"
+                )
+            out.append(
+                f"generation: a smaller engine.mem_fraction_static (now {x.engine_mem_fraction}, "
+                f"{_size(engine)}: weights + KV cache)"
             )
         return out
 
@@ -486,10 +560,11 @@ class MemoryPlan:
                 f"recipe step on fake tensors ({m.device} kernels, {m.seconds:.0f} s); "
                 f"formula {self.tensor_total / m.peak - 1:+.1%}"
             )
+        lines.extend(self._mode_lines(fmt, unit))
         lines.append(f"{'total':<30}{fmt(self.device_total):>10}{fmt(self.host_total):>10}")
         if any(not i.at_peak or i.phase not in ("all", self.peak_phase) for i in self.items):
             lines.append(
-                f"* not alive at the peak (the peak is in the {self.peak_phase} phase: "
+                f"* not alive at the trainer's peak (in the {self.peak_phase} phase: "
                 + ("PPO updates" if self.peak_phase == "train" else "no-grad scoring passes")
                 + ")"
             )
@@ -498,14 +573,23 @@ class MemoryPlan:
                 f"{k.lower()} {fmt(v)}" for k, v in m.by_kind.items() if v and k != "Buffer"
             )
             lines.append(f"at the measured peak ({unit}, device and host): {kinds}")
-            lines.append("totals and verdict from the measured step; items from the formulas")
+            lines.append(
+                "training phase from the measured step; generation phase and items from the "
+                "formulas (the step does not generate)"
+                if self.alternates
+                else "totals and verdict from the measured step; items from the formulas"
+            )
         lines.append("")
         if self.fits is not None:
             gpu = x.gpu_mem_bytes or 0
             verdict = "FITS" if self.fits else "DOES NOT FIT"
+            larger = ""
+            if self.alternates:
+                gen = self.generation_total() > self.training_total
+                larger = f"; the larger phase: {'generation' if gen else 'training'}"
             lines.append(
                 f"{verdict}: {fmt(self.device_total)} {unit} of {fmt(gpu)} {unit} per GPU "
-                f"({fmt(gpu - self.device_total)} {unit} left)"
+                f"({fmt(gpu - self.device_total)} {unit} left{larger})"
             )
         big = ", ".join(f"{i.name} ({fmt(i.device)} {unit})" for i in self.biggest(3))
         lines.append(f"biggest: {big}")
@@ -514,6 +598,30 @@ class MemoryPlan:
             lines.append("switches that shrink them:")
             lines.extend(f"  - {a}" for a in adv)
         return "\n".join(lines)
+
+    def _mode_lines(self, fmt: Any, unit: str) -> list[str]:
+        """The device bytes of each phase of rollout.mode (GPU plans with an engine)."""
+        engine = next((i.device for i in self.items if i.name.startswith("engine")), None)
+        if engine is None:
+            return []
+        trainer = self.training_total
+        if not self.alternates:
+            return [
+                f"rollout.mode=overlap: engine {fmt(engine)} + trainer {fmt(trainer - engine)} "
+                f"{unit} at once (the engine generates while the trainer trains)"
+            ]
+        after = ENGINE_AFTER_RELEASE_BYTES
+        gen, gen_off = self.generation_total(False), self.generation_total(True)
+        return [
+            f"rollout.mode=alternate, rollout.offload_trainer="
+            f"{str(self.inputs.offload_trainer).lower()}: engine and trainer take turns",
+            f"{'  generation':<30}{fmt(gen):>10}{'':>10}  engine {fmt(engine)} + the trainer's "
+            f"resident state {fmt(gen - engine)}",
+            f"{'  generation, offload_trainer':<30}{fmt(gen_off):>10}{fmt(self.offloaded):>10}  "
+            "actor/critic parameters and optimizer states in pinned host memory",
+            f"{'  training':<30}{fmt(trainer):>10}{'':>10}  the trainer's peak + engine after "
+            f"release {fmt(after)} (not sized: counted 0)",
+        ]
 
 
 def _size(n: int) -> str:
@@ -546,14 +654,18 @@ def _model_items(
     )
     items = [
         PlanItem(
-            f"{name} parameters", P * m, note=f"{_numel(shapes) / 1e6:,.1f}M params / {W} ranks"
+            f"{name} parameters",
+            P * m,
+            note=f"{_numel(shapes) / 1e6:,.1f}M params / {W} ranks",
+            while_generating="offload",
         ),
-        PlanItem(f"{name} gradients", P * m, phase="train"),
+        PlanItem(f"{name} gradients", P * m, phase="train", while_generating="freed"),
         PlanItem(
             f"{name} optimizer states",
             opt.device,
             opt.host,
             note=_opt_note(spec[0]),
+            while_generating="offload",
         ),
     ]
     if x.sharded:
@@ -565,6 +677,7 @@ def _model_items(
                 f"{name} FSDP working set",
                 fsdp,
                 note="unsharded root + 2 blocks, root grads",
+                while_generating="freed",
             )
         )
     act = activation_bytes(
@@ -626,7 +739,11 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
         note = f"saved {_size(a.saved)} + backward transient {_size(a.transient)}"
         if name.startswith("actor"):
             note += f"; {without}"
-        plan.items.append(PlanItem(name, a.total, note=note, at_peak=peak, phase="train"))
+        plan.items.append(
+            PlanItem(
+                name, a.total, note=note, at_peak=peak, phase="train", while_generating="freed"
+            )
+        )
     if x.reference:
         plan.items.append(PlanItem("reference model", P * x.master_bytes, note="frozen, sharded"))
     plan.items.append(_correction_item(x, P))
@@ -635,14 +752,19 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
         if x.engine_mem_fraction:
             gpu = x.gpu_mem_bytes or 0
             host = _numel(actor_shapes) * 2 if x.engine_weights_host_copy else 0
-            mode = "released while training (sleep)" if x.engine_sleeps else "overlap"
+            if x.rollout_mode not in ROLLOUT_MODES:
+                raise ValueError(
+                    f"rollout_mode ({x.rollout_mode!r}) must be one of {ROLLOUT_MODES}"
+                )
+            alternate = x.rollout_mode == "alternate"
+            mode = "released while the trainer trains" if alternate else "generates while it trains"
             plan.items.append(
                 PlanItem(
                     "engine (mem_fraction)",
                     int(x.engine_mem_fraction * gpu),
                     host,
                     note=f"{x.engine_mem_fraction} x GPU: weights + KV cache; {mode}",
-                    at_peak=not x.engine_sleeps,
+                    at_peak=not alternate,
                 )
             )
         plan.items.append(PlanItem("CUDA context + slack", CUDA_CONTEXT_BYTES, note="assumed"))
@@ -690,7 +812,9 @@ def _scoring_item(x: PlanInputs) -> PlanItem:
     if x.critic is not None:
         passes.append(("critic", x.critic, False))
     if not passes:
-        return PlanItem("no-grad scoring passes", 0, phase="score", note="none")
+        return PlanItem(
+            "no-grad scoring passes", 0, phase="score", note="none", while_generating="freed"
+        )
     sizes = {
         name: scoring_bytes(
             args,
@@ -710,6 +834,7 @@ def _scoring_item(x: PlanInputs) -> PlanItem:
         sizes[worst],
         phase="score",
         note=f"{rows} sequences per forward ({worst} largest)",
+        while_generating="freed",
     )
 
 

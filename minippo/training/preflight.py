@@ -6,8 +6,10 @@ problem it finds at once, one line each, naming the key or the file and the fix:
 
 * :func:`config_problems`: the keys, types and ranges the recipe declares
   (:data:`ASYNC_PPO_SCHEMA`; unknown keys, from a YAML file as from the command line, get the
-  closest declared keys), every ``_component_`` imported and bound to its signature, and the
-  behaviour-policy correction contract. The recipe's ``validate_config`` adds its shape checks.
+  closest declared keys), every ``_component_`` imported and bound to its signature, the
+  behaviour-policy correction contract, and the rollout.mode of an SGLang engine on the
+  trainer's GPU (``minippo.plan.shared_gpu_problems``). The recipe's ``validate_config`` adds
+  its shape checks.
 * :func:`input_problems`: the files: ``output_dir`` and the paths under it, ``checkpoint_path``
   (config.json and every safetensors file complete), the dataset's local files (present,
   non-empty, in their format), the tokenizer against the model's vocabulary, and the checkpoint
@@ -145,18 +147,22 @@ def raise_problems(problems: list[str]) -> None:
         raise ConfigError(f"{len(problems)} problems in the config:\n  {text}", problems)
 
 
-def config_problems(cfg: DictConfig, schema: dict[str, Spec]) -> list[str]:
+def config_problems(cfg: DictConfig, schema: dict[str, Spec], world_size: int = 1) -> list[str]:
     """Keys, types and ranges (``schema``), every ``_component_`` (imports, signature) and, for a
-    config with a ``rollout`` section, the correction contract; one line per problem."""
+    config with a ``rollout`` section, the correction contract and the rollout.mode of an SGLang
+    engine on the trainer's GPU (``minippo.plan.shared_gpu_problems``, planned on ``world_size``
+    ranks); one line per problem."""
     problems = check_schema(cfg, schema)
     problems += [p for p in validate(cfg) if p not in problems]
     if not problems and "rollout" in cfg:  # the contract reads well-typed rollout keys
+        from minippo.plan import shared_gpu_problems
         from minippo.rl.correction import validate_async_off_policy_correction
 
         try:
             validate_async_off_policy_correction(cfg)
         except ValueError as e:
             problems.append(str(e))
+        problems += shared_gpu_problems(cfg, world_size=world_size)
     return problems
 
 

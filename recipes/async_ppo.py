@@ -45,7 +45,7 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
     """Every check that needs no model, all problems at once (``minippo validate`` and the torchrun
     launcher run it too): keys, types, ranges (ASYNC_PPO_SCHEMA), components and the correction
     contract (``preflight.config_problems``), then the shapes below, each with values and fix."""
-    problems = preflight.config_problems(cfg, preflight.ASYNC_PPO_SCHEMA)
+    problems = preflight.config_problems(cfg, preflight.ASYNC_PPO_SCHEMA, world_size=world_size)
     if problems:  # the shape checks below need well-typed values
         preflight.raise_problems(problems)
     r, ppo, est = cfg.rollout, cfg.ppo, cfg.advantage_estimator
@@ -157,6 +157,14 @@ class AsyncPPORecipe:
             torch.set_num_threads(
                 cfg.cpu_threads or max(1, (os.cpu_count() or 2) // 2 // ranks_here)
             )
+        sglang = str(cfg.engine._component_).endswith("SGLangEngine")
+        if self.device.type == "cuda" and sglang and rollout_mode(cfg) == "overlap":
+            # the engine generates on this GPU while training (rollout.share_gpu_with_engine,
+            # refused unless the plan fits): the trainer's allocator gets what its plan says
+            from minippo.plan import trainer_memory_fraction
+
+            fraction = trainer_memory_fraction(cfg, world_size=self.world_size)
+            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
         torch.manual_seed(cfg.seed + self.rank)
         self.total_steps = int(cfg.total_steps)
         self.start_step = 0

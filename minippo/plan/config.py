@@ -36,6 +36,7 @@ from minippo.plan.formula import (
     plan_memory,
 )
 from minippo.rl.advantages import needs_critic
+from minippo.rl.correction.base import WeightCopies
 from minippo.training.optimizers import optimizer_spec
 
 __all__ = [
@@ -205,12 +206,16 @@ def _switch_candidates(cls: type, options: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def correction_cost(node: Any, *, max_staleness: int, partial_rollout: bool) -> CorrectionCost:
+def correction_cost(
+    node: Any, *, max_staleness: int, partial_rollout: bool, sync_every: int = 1
+) -> CorrectionCost:
     """What the correction named by ``node`` (a ``correction`` config node; None: NoCorrection)
     stores and scores, from its class: ``stored_weights(max_staleness=, partial_rollout=,
     **options)`` and ``scoring_passes(max_staleness=, **options)``, ``options`` being the node's
     keys other than ``_component_``. ``switches`` lists the other values of its storage and dtype
-    options that would store less, with what the class would store then."""
+    options that would store less, with what the class would store then. With ``sync_every > 1``
+    the recipe's anchors inside a sync cycle add the published weights and a swap buffer, both in
+    host memory (``minippo.parallel.PublishedWeights``)."""
     component = NO_CORRECTION if node is None else str(_select(node, "_component_"))
     cls = locate(component, "correction._component_")
     options: dict[str, Any] = {}
@@ -220,10 +225,18 @@ def correction_cost(node: Any, *, max_staleness: int, partial_rollout: bool) -> 
     stored_weights = _interface(cls, "stored_weights", component)
     scoring_passes = _interface(cls, "scoring_passes", component)
 
-    def stored(opts: dict[str, Any]) -> tuple[Any, ...]:
-        return tuple(
-            stored_weights(max_staleness=max_staleness, partial_rollout=partial_rollout, **opts)
+    cycle = ()
+    if sync_every > 1:
+        cycle = (
+            WeightCopies("published weights (rollout.sync_every)", 1, None, "cpu"),
+            WeightCopies("swap buffer of the published weights", 1, None, "cpu"),
         )
+
+    def stored(opts: dict[str, Any]) -> tuple[Any, ...]:
+        copies = stored_weights(
+            max_staleness=max_staleness, partial_rollout=partial_rollout, **opts
+        )
+        return (*copies, *cycle)
 
     now = stored(options)
     switches = []
@@ -325,6 +338,7 @@ def plan_inputs_from_config(
             OmegaConf.select(cfg, "correction", default=None),
             max_staleness=max_staleness,
             partial_rollout=bool(_select(cfg, "rollout.partial_rollout")),
+            sync_every=int(_select(cfg, "rollout.sync_every", 1)),
         ),
         score_rows=_score_rows(cfg, world_size),
         engine_mem_fraction=None if fraction is None else float(fraction),

@@ -12,6 +12,8 @@ Public names:
     gather_full_state_dict(model, *, dtype=None, device="cpu", rank0_only=False)
         -> {native_name: Tensor}
     apply_activation_checkpointing(model) -> model   (per decoder block; before shard_model)
+    TrainerOffload([(model, optimizer | None), ...]): offload() / reload() -> seconds, moving
+        parameters, gradients and optimizer states to host memory and back
 """
 
 from minippo.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -25,9 +27,11 @@ from minippo.parallel.fsdp import (
     reshard_all,
     shard_model,
 )
+from minippo.parallel.offload import TrainerOffload
 
 __all__ = [
     "DistInfo",
+    "TrainerOffload",
     "apply_activation_checkpointing",
     "assert_not_meta",
     "destroy_distributed",

@@ -14,6 +14,8 @@ Public names:
     apply_activation_checkpointing(model) -> model   (per decoder block; before shard_model)
     union_over_ranks(values, device) -> sorted list   (every rank's ints, e.g. weight versions)
     PublishedWeights()   (the weights last published, for the anchors inside a sync cycle)
+    TrainerOffload([(model, optimizer | None), ...]): offload() / reload() -> seconds, moving
+        parameters, gradients and optimizer states to host memory and back
 """
 
 from minippo.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -32,11 +34,13 @@ from minippo.parallel.fsdp import (
     reshard_all,
     shard_model,
 )
+from minippo.parallel.offload import TrainerOffload
 from minippo.parallel.weight_swap import PublishedWeights
 
 __all__ = [
     "DistInfo",
     "PublishedWeights",
+    "TrainerOffload",
     "apply_activation_checkpointing",
     "assert_not_meta",
     "destroy_distributed",

@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 from minippo.training.metrics import read_jsonl
-from tests.recipes.test_async_ppo import FAST, REPO, _env, cli
+from tests.recipes.test_async_ppo import FAST, REPO, _env, assert_same, cli, run_recipes, stable
 
 ALTERNATE = ["rollout.mode=alternate", "rollout.oversample=1.5"]
 
@@ -93,3 +93,18 @@ def test_overlap_refuses_alternate_only_keys(tmp_path):
         assert proc.returncode != 0
         assert "needs rollout.mode=alternate" in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_trainer_offload_trains_exactly_like_no_offload(tmp_path):
+    """rollout.offload_trainer moves the actor's and critic's state to the host and back around
+    every generation: the run is bit for bit the same, and the time is logged."""
+    runs = {
+        flag: [*FAST, *ALTERNATE, "total_steps=3", f"output_dir={tmp_path / flag}",
+               f"rollout.offload_trainer={flag}"]
+        for flag in ("true", "false")
+    }  # fmt: skip
+    assert run_recipes(list(runs.values())) == [None, None]
+    on, off = (read_jsonl(tmp_path / flag / "metrics.jsonl") for flag in runs)
+    for a, b in zip(on, off):
+        assert_same(stable(a), stable(b))
+        assert a["perf/offload_s"] > 0 and b["perf/offload_s"] == 0

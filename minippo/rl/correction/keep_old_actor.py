@@ -79,10 +79,10 @@ class KeepOldActor(Correction):
     @classmethod
     def check(cls, **options: Any) -> dict[str, Any]:
         o = super().check(**options)
-        if o["cap"] is not None and number(cls, "cap", o["cap"]) <= 0:
+        if o["cap"] is not None and number(cls, "cap", o["cap"]) < 1:
             raise ValueError(
-                f"correction.cap must be > 0 (or null for w = 1), got cap={o['cap']} "
-                f"({cls.__name__})"
+                f"correction.cap must be >= 1 (a ratio of 1 is on-policy and must keep its "
+                f"weight), or null for w = 1; got cap={o['cap']} ({cls.__name__})"
             )
         one_of(cls, "storage", o["storage"], STORAGE_DEVICES)
         if o["storage_dtype"] is not None and not isinstance(o["storage_dtype"], torch.dtype):

@@ -20,10 +20,14 @@ from minippo.rl.correction.weights import (
 from minippo.rl.types import RolloutBatch
 
 
-def _positive_cap(owner: type, o: dict[str, Any]) -> None:
-    """cap must be a number > 0 (the ratio's upper bound)."""
-    if number(owner, "cap", o["cap"]) <= 0:
-        raise ValueError(f"correction.cap must be > 0, got cap={o['cap']} ({owner.__name__})")
+def cap_at_least_one(owner: type, o: dict[str, Any]) -> None:
+    """cap, the ratio's upper bound, must be >= 1: a cap below 1 would cut the weight of tokens
+    whose ratio is exactly 1 (sampled by the anchor's own weights) as if they were off-policy."""
+    if number(owner, "cap", o["cap"]) < 1:
+        raise ValueError(
+            f"correction.cap must be >= 1 (a ratio of 1 is on-policy and must keep its weight), "
+            f"got cap={o['cap']} ({owner.__name__}); e.g. correction.cap=2.0"
+        )
 
 
 class _NoStoredWeights(Correction):
@@ -121,14 +125,17 @@ class TIS(_NoStoredWeights):
         o = super().check(**options)
         one_of(cls, "level", o["level"], TIS_LEVELS)
         one_of(cls, "mode", o["mode"], TIS_MODES)
-        _positive_cap(cls, o)
+        cap_at_least_one(cls, o)
         low, cap = number(cls, "low", o["low"]), float(o["cap"])
-        if low < 0:
-            raise ValueError(f"correction.low must be >= 0, got low={low} (TIS)")
         if low >= cap:
             raise ValueError(
                 f"TIS: low ({low}) must be < cap ({cap}); lower correction.low or raise "
                 "correction.cap"
+            )
+        if not 0 <= low <= 1:
+            raise ValueError(
+                f"correction.low must be in [0, 1] (a ratio of 1 is on-policy and must keep its "
+                f"weight), got low={low} (TIS); e.g. correction.low=0.0"
             )
         return o
 
@@ -166,7 +173,7 @@ class LogLinearProx(_NoStoredWeights):
     @classmethod
     def check(cls, **options: Any) -> dict[str, Any]:
         o = super().check(**options)
-        _positive_cap(cls, o)
+        cap_at_least_one(cls, o)
         return o
 
     passes = 0  # extra no-grad forward passes of the actor per step

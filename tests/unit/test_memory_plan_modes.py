@@ -215,7 +215,7 @@ def test_other_engines_are_not_checked():
     if not tiny.exists():
         pytest.skip("needs configs/tiny_cpu.yaml")
     for mode in ("alternate", "overlap"):  # TorchEngine: its own process on CPU cores
-        assert shared_gpu_problems(load_config(tiny, [f"+rollout.mode={mode}"])) == []
+        assert shared_gpu_problems(load_config(tiny, [f"rollout.mode={mode}"])) == []
 
 
 def test_trainer_memory_fraction_is_the_planned_trainer_over_the_gpu():

@@ -32,6 +32,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -257,6 +258,12 @@ class AlternatingQueue:
             **self.metrics(),
         }
         return out
+
+    @contextmanager
+    def engine_idle(self) -> Iterator[None]:
+        """The engine runs nothing of the queue's between two ``get_batch`` calls: a no-op (the
+        ``RolloutQueue`` interface). After a ``publish`` the engine is awake."""
+        yield
 
     def referenced_versions(self) -> set[int]:
         """The weight versions of the carried tokens that the next batch may still train on

@@ -46,6 +46,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -269,7 +270,7 @@ class RolloutQueue:
         self._next_slot = 0  # the batch the producer generates next
         self._generating = False
         self._inflight_version = 0  # the version the batch being generated started with
-        self._publishing = False
+        self._held = False  # engine_idle(): the producer starts nothing
         self._prompt_iter: Iterator[Any] | None = None
         # cumulative counters (exposed by metrics())
         self._capacity_waits = 0
@@ -369,18 +370,26 @@ class RolloutQueue:
                 self.engine.resume()
         else:
             t0 = time.perf_counter()
-            with self._cond:
-                self._publishing = True  # the producer starts nothing new meanwhile
-                while self._generating and self._error is None:
-                    self._cond.wait(timeout=1.0)
-            self._drain_wait_s += time.perf_counter() - t0
-            try:
+            with self.engine_idle():
+                self._drain_wait_s += time.perf_counter() - t0
                 self.engine.publish_weights(buckets, version)
-            finally:
-                with self._cond:
-                    self._publishing = False
-                    self._cond.notify_all()
         self.on_weights_published(version)
+
+    @contextmanager
+    def engine_idle(self) -> Iterator[None]:
+        """Inside the block the queue has nothing in the engine: the running ``generate`` call
+        has finished and the producer starts no new one until the block ends (to publish, or to
+        run an evaluation that must not share the engine with training rollouts)."""
+        with self._cond:
+            self._held = True
+            while self._generating and self._error is None:
+                self._cond.wait(timeout=1.0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held = False
+                self._cond.notify_all()
 
     def on_weights_published(self, version: int) -> None:
         """Record that the engine now holds ``version`` (when weights were pushed elsewhere)."""
@@ -505,7 +514,7 @@ class RolloutQueue:
                     waited = self._version < self._oldest_allowed(slot)
                     self._capacity_waits += int(waited)
                     while not self._stop and (
-                        self._version < self._oldest_allowed(slot) or self._publishing
+                        self._version < self._oldest_allowed(slot) or self._held
                     ):
                         self._cond.wait(timeout=1.0)
                     if self._stop:

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 from tqdm import tqdm
@@ -176,12 +176,13 @@ def evaluate(
     rank, world = _rank_and_world()
     positions = range(rank, len(examples), world)
     requests: list[GenerateRequest] = []
+    where: dict[str, tuple[int, int]] = {}  # request id -> (prompt position, sample)
     for i in positions:
         ids = prompt_ids_of(examples[i])
         for j in range(n):
             params = replace(sampling, seed=(seed * _SEED_STRIDE + i * n + j) % (1 << 62))
             requests.append(GenerateRequest(ids, params, request_id=f"eval-{i}-{j}"))
-    where = {r.request_id: (i, j) for r, (i, j) in zip(requests, _pairs(positions, n))}
+            where[requests[-1].request_id] = (i, j)
 
     reward_name = _name(reward_fn)
     t0 = time.perf_counter()
@@ -223,37 +224,49 @@ def evaluate(
     samples = [out[key] for key in sorted(out)]
     seconds = time.perf_counter() - t0
 
-    # per prompt: (position, rewards, correct count, lengths, truncated count); every rank's
-    per_prompt = [
-        (
-            i,
-            [s.reward for s in samples[p * n : (p + 1) * n]],
-            sum(s.correct for s in samples[p * n : (p + 1) * n]),
-            [s.response_len for s in samples[p * n : (p + 1) * n]],
-            sum(s.finish_reason == "length" for s in samples[p * n : (p + 1) * n]),
+    # every rank's per-prompt statistics, in prompt order
+    per_prompt = []
+    for p, i in enumerate(positions):
+        mine = samples[p * n : (p + 1) * n]
+        per_prompt.append(
+            _PromptStats(
+                position=i,
+                rewards=[s.reward for s in mine],
+                correct=sum(s.correct for s in mine),
+                lengths=[s.response_len for s in mine],
+                truncated=sum(s.finish_reason == "length" for s in mine),
+            )
         )
-        for p, i in enumerate(positions)
-    ]
     if world > 1:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, per_prompt)
-        per_prompt = sorted((row for part in gathered for row in part), key=lambda r: r[0])
+        per_prompt = sorted((st for part in gathered for st in part), key=lambda st: st.position)
     return EvalResult(_summary(per_prompt, n, ks, prefix), samples, seconds)
 
 
-def _summary(per_prompt: list[tuple], n: int, ks: list[int], prefix: str) -> dict[str, float]:
+class _PromptStats(NamedTuple):
+    """What the metrics need of one prompt's n samples (gathered from every rank)."""
+
+    position: int  # in ``examples``
+    rewards: list[float]  # n
+    correct: int  # c of pass@k
+    lengths: list[int]  # n, generated tokens
+    truncated: int  # samples cut at max_new_tokens
+
+
+def _summary(
+    per_prompt: list[_PromptStats], n: int, ks: list[int], prefix: str
+) -> dict[str, float]:
     """The metrics of every prompt's statistics (``math.fsum``: exact sums, any order)."""
     prompts = len(per_prompt)
     total = prompts * n
-    metrics = {
-        f"{prefix}reward_mean": math.fsum(r for p in per_prompt for r in p[1]) / total,
-    }
+    metrics = {f"{prefix}reward_mean": math.fsum(r for p in per_prompt for r in p.rewards) / total}
     for k in ks:  # mean over prompts of the unbiased per-prompt estimate
-        metrics[f"{prefix}pass@{k}"] = (
-            math.fsum(pass_at_k(n, p[2], k) for p in per_prompt) / prompts
-        )
-    metrics[f"{prefix}response_len_mean"] = math.fsum(x for p in per_prompt for x in p[3]) / total
-    metrics[f"{prefix}truncated_frac"] = math.fsum(p[4] for p in per_prompt) / total
+        passed = math.fsum(pass_at_k(n, p.correct, k) for p in per_prompt)
+        metrics[f"{prefix}pass@{k}"] = passed / prompts
+    lengths = math.fsum(x for p in per_prompt for x in p.lengths)
+    metrics[f"{prefix}response_len_mean"] = lengths / total
+    metrics[f"{prefix}truncated_frac"] = math.fsum(p.truncated for p in per_prompt) / total
     metrics[f"{prefix}prompts"] = float(prompts)
     metrics[f"{prefix}samples"] = float(total)
     return metrics
@@ -299,10 +312,6 @@ def format_metrics(metrics: Mapping[str, float]) -> str:
         shown = f"{int(v)}" if k.endswith(("/prompts", "/samples")) else f"{v:.4f}"
         lines.append(f"  {k:<{width}}  {shown}")
     return "\n".join(lines)
-
-
-def _pairs(positions: range, n: int) -> Iterable[tuple[int, int]]:
-    return ((i, j) for i in positions for j in range(n))
 
 
 def _rank_and_world() -> tuple[int, int]:

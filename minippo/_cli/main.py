@@ -27,6 +27,7 @@ EXAMPLES = textwrap.dedent(
       minippo run --nproc-per-node 8 async_ppo --config qwen3_4b_dapo_math_8gpu
       minippo cp tiny_cpu my_tiny.yaml
       minippo run async_ppo --config my_tiny.yaml
+      minippo run eval --config tiny_eval_cpu
       minippo validate --config tiny_cpu
       minippo plan --config qwen3_4b_dapo_math_8gpu nproc_per_node=8 gpu_mem_gib=80
     """
@@ -143,7 +144,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--recipe",
         help="built-in recipe name or .py file whose checks to run (default: the recipe of a "
-        "built-in config, else async_ppo for a config with a rollout section)",
+        "built-in config, else async_ppo for a config with a rollout section, eval for one with "
+        "a top-level samples_per_prompt or samples_path)",
     )
     p.add_argument(
         "--nproc-per-node",
@@ -244,7 +246,10 @@ def _recipe_of(recipe: str | None, config: str, cfg) -> Path | None:
     entry = registry.config_entry(config)
     if entry is not None:
         return registry.builtin_recipe_path(entry[0].name)
-    return registry.builtin_recipe_path("async_ppo") if "rollout" in cfg else None
+    if "rollout" in cfg:
+        return registry.builtin_recipe_path("async_ppo")
+    eval_keys = ("samples_per_prompt", "samples_path")  # either, should the other be misspelled
+    return registry.builtin_recipe_path("eval") if any(k in cfg for k in eval_keys) else None
 
 
 def recipe_checks(recipe_path: Path) -> Callable | None:

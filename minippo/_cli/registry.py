@@ -45,6 +45,11 @@ RECIPES: tuple[Recipe, ...] = (
             ),
         ),
     ),
+    Recipe(
+        name="eval",
+        file_path="eval.py",
+        configs=(Config(name="tiny_eval_cpu", file_path="tiny_eval_cpu.yaml"),),
+    ),
 )
 
 

@@ -333,18 +333,19 @@ def test_nan_loss_is_skipped_then_repeated_nans_stop_the_run(tmp_path):
 
 
 def test_every_shipped_config_validates():
+    from minippo._cli import registry
     from minippo.config import load_config, validate
     from minippo.rl.correction import validate_async_off_policy_correction
 
-    validate_config = __import__("runpy").run_path(str(REPO / "recipes" / "async_ppo.py"))[
-        "validate_config"
-    ]
-    for path in sorted((REPO / "configs").glob("*.yaml")):
-        cfg = load_config(path)
-        assert validate(cfg) == [], path.name
-        validate_async_off_policy_correction(cfg)
-        world = 8 if "8gpu" in path.name else 1
-        validate_config(cfg, world)
+    for recipe in registry.RECIPES:  # each config with the checks of the recipe it is for
+        recipe_file = REPO / "recipes" / recipe.file_path
+        validate_config = __import__("runpy").run_path(str(recipe_file))["validate_config"]
+        for config in recipe.configs:
+            cfg = load_config(REPO / "configs" / config.file_path)
+            assert validate(cfg) == [], config.name
+            if "rollout" in cfg:
+                validate_async_off_policy_correction(cfg)
+            validate_config(cfg, config.nproc_per_node or 1)
 
 
 @pytest.mark.slow

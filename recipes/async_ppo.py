@@ -28,6 +28,7 @@ from minippo.rl.correction import build_correction
 from minippo.training import preflight
 from minippo.training.alternating_queue import AlternatingQueue
 from minippo.training.checkpoint import Checkpointer, RNGState
+from minippo.training.evaluation import evaluate
 from minippo.training.interrupt import StopOnSignal
 from minippo.training.metrics import MetricAverager, NoOpLogger, gather_and_reduce
 from minippo.training.nan_guard import NonFiniteGuard
@@ -90,6 +91,14 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
                     f"rollout.{key}={r[key]} needs rollout.mode=alternate (generation between "
                     f"training steps); set rollout.mode=alternate or rollout.{key}={value}"
                 )
+    every = OmegaConf.select(cfg, "eval.every_n_steps", default=None)
+    sync_every = r.get("sync_every", 1)
+    if every is not None and every % sync_every:
+        problems.append(
+            f"eval.every_n_steps ({every}) must be a multiple of rollout.sync_every ({sync_every}): "
+            "validation runs on the engines right after a publish, when they hold the actor's "
+            f"weights; set eval.every_n_steps={max(sync_every, every // sync_every * sync_every)}"
+        )
     if canonical_dtype(cfg.dtype, "dtype") != "float32" and not distributed:
         problems.append(
             f"dtype={cfg.dtype} is FSDP2 mixed precision (fp32 master weights), which needs a "
@@ -187,6 +196,9 @@ class AsyncPPORecipe:
         self.dataset = instantiate(cfg.dataset, tokenizer=self.tokenizer)
         preflight.warn_if_prompts_cycle(len(self.dataset), cfg.rollout.groups_per_batch)
         self.reward_fn = instantiate(cfg.reward)
+        self.eval_set = None  # validation prompts (`eval`), scored by the same reward
+        if cfg.get("eval") is not None:
+            self.eval_set = instantiate(cfg.eval.dataset, tokenizer=self.tokenizer)
 
         # Models: built on the meta device, sharded (under torchrun), then filled with the
         # checkpoint's or a seeded random init's weights. The engine is built from the model
@@ -275,6 +287,8 @@ class AsyncPPORecipe:
 
         self.logger = instantiate(cfg.metric_logger) if self.is_main else NoOpLogger()
         self.logger.log_config(OmegaConf.to_container(cfg, resolve=True))
+        if self.eval_set is not None and cfg.eval.before_train:
+            self._validate(self.start_step)
         self.progress = ProgressBar(
             self.total_steps, self.start_step, enabled=self.is_main and cfg.progress_bar
         )
@@ -421,6 +435,10 @@ class AsyncPPORecipe:
             if (step + 1) % cfg.log_every_n_steps == 0 or step + 1 == self.total_steps:
                 self.logger.log(metrics, step=step)
             self.progress.update(metrics)
+            every = cfg.eval.every_n_steps if self.eval_set is not None else None
+            published = (step + 1) % self.sync_every == 0  # the engines hold the actor
+            if every and published and ((step + 1) % every == 0 or step + 1 == self.total_steps):
+                self._validate(step + 1)
             self.interrupt.at_step_end(step + 1, save=self.save_checkpoint)  # after a signal
             if (step + 1) % cfg.checkpoint.every_n_steps == 0 or step + 1 == self.total_steps:
                 self.save_checkpoint(step + 1)
@@ -432,6 +450,31 @@ class AsyncPPORecipe:
             print(f"metrics: {Path(cfg.metric_logger.get('path', cfg.output_dir)).resolve()}")
             print(f"checkpoint: {self.ckpt_path.resolve() if self.ckpt_path else 'none saved'}")
             print(f"HF export of the actor: {export if cfg.checkpoint.export_hf else 'none'}")
+
+    def _validate(self, steps_done: int) -> None:
+        """Validation: sample ``eval.samples_per_prompt`` responses per ``eval.dataset`` prompt from
+        the engines (they hold the actor's weights: right after a publish), score them with the
+        run's reward, log ``eval/*`` at step ``steps_done``. Seeded requests, no global RNG, and
+        the queue generates nothing meanwhile: the run trains exactly as without it."""
+        cfg, r = self.cfg.eval, self.cfg.rollout
+        sampling = SamplingParams(
+            temperature=r.temperature if cfg.temperature is None else cfg.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=cfg.max_new_tokens or r.max_new_tokens,
+            stop_token_ids=self.tokenizer.eos_ids if r.stop_at_eos else (),
+        )
+        with self.queue.engine_idle():
+            result = evaluate(
+                self.engine,
+                self.eval_set,
+                reward_fn=self.reward_fn,
+                decode=self.tokenizer.decode,
+                sampling=sampling,
+                samples_per_prompt=cfg.samples_per_prompt,
+                seed=self.cfg.seed,
+            )
+        self.logger.log({**result.metrics, "perf/eval_s": result.seconds}, step=steps_done)
 
     def _scored(self, fn, batch) -> torch.Tensor:
         """fn over row chunks of ``ppo.score_micro_batch_size`` (null: the whole batch at once);

@@ -81,6 +81,18 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
         }
     ),
     "correction": Component(null=True, optional=True),
+    "eval": Section(
+        {
+            "every_n_steps": Int(min=1, null=True),
+            "before_train": Bool(),
+            "dataset": Component({"num_examples": Int(min=1, null=True)}),
+            "samples_per_prompt": Int(min=1),
+            "temperature": Float(min=0, null=True),
+            "max_new_tokens": Int(min=1, null=True),
+        },
+        null=True,
+        optional=True,
+    ),
     "advantage_estimator": Str(("gae", "grpo")),
     "gae": Section(
         {"gamma": Float(min=0, max=1), "lam": Float(min=0, max=1), "bootstrap_truncated": Bool()}
@@ -194,7 +206,8 @@ def input_problems(cfg: DictConfig, world_size: int = 1) -> list[str]:
             "checkpoint_path and model are both null: set checkpoint_path to an HF folder, or "
             "model to a size builder (e.g. model._component_=minippo.models.qwen3_tiny)"
         )
-    problems += _dataset_problems(cfg)
+    problems += _dataset_problems(cfg, "dataset")
+    problems += _dataset_problems(cfg, "eval.dataset")
     if not problems:
         problems += _vocab_problems(cfg, args)
     problems += _resume_problems(cfg, world_size)
@@ -251,8 +264,10 @@ def _first_existing(path: Path) -> Path:
     return path
 
 
-def _dataset_problems(cfg: DictConfig) -> list[str]:
-    node = _get(cfg, "dataset")
+def _dataset_problems(cfg: DictConfig, key: str) -> list[str]:
+    """The local data files of the dataset component at ``key`` (present, non-empty, in their
+    format)."""
+    node = _get(cfg, key)
     if not isinstance(node, DictConfig) or node.get("data_files") is None:
         return []
     source = node.get("source")
@@ -265,12 +280,12 @@ def _dataset_problems(cfg: DictConfig) -> list[str]:
         matches = sorted(glob.glob(os.path.expanduser(str(pattern))))
         if not matches:
             problems.append(
-                f"dataset.data_files: {pattern} does not exist; give the path of a {source} file"
+                f"{key}.data_files: {pattern} does not exist; give the path of a {source} file"
             )
         for file in matches:
             why = _data_file_problem(Path(file), source)
             if why:
-                problems.append(f"dataset.data_files: {file} {why}")
+                problems.append(f"{key}.data_files: {file} {why}")
     return problems
 
 

@@ -249,6 +249,11 @@ CASES = [
     run_case("dataset_parquet_truncated", *PROMPT_FILE_DATASET, "+dataset.source=parquet",
              "+dataset.data_files={R}/truncated.parquet",
              phrase="is not a complete parquet file"),
+    run_case("eval_dataset_file_missing",
+             "eval={every_n_steps: 2, before_train: false, samples_per_prompt: 2, "
+             "temperature: null, max_new_tokens: null, dataset: {_component_: "
+             "minippo.data.load_prompt_dataset, source: json, data_files: {T}/none.jsonl}}",
+             phrase="eval.dataset.data_files: {T}/none.jsonl does not exist"),
     run_case("vocab_smaller_than_tokenizer", "model.vocab_size=40",
              phrase="vocab_size (40) is smaller than the tokenizer's (51)"),
     run_case("vocab_larger_random_init", "model.vocab_size=64",

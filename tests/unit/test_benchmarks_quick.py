@@ -35,10 +35,18 @@ MARKERS = {
     "logprob_memory.py": ["| naive |", "| chunked |"],
     "host_memory.py": ["| meta + per-tensor load | 1 |", "ratio (peak - baseline)"],
     "reward_speed.py": ["| numbers | 1000 |", "| latex | 1000 |", "s per 10,000"],
+    "long_tail.py": [
+        "p99/p50",
+        "| oversample | decode steps / trained sample |",
+        "| 1.25 |",
+        "| 1.5 |",
+        "\nratio: ",
+    ],
 }
 # Quick modes slower than ~20 s on an unloaded 2-core machine. Measured at load ~1 (seconds):
 # corrections_study 12, perf 18, memory 13, engine_throughput 8.5, correction_cost 11,
-# logprob_memory 11, reward_speed 8 (at load 5) (default total ~81 s); optimizer_memory 28 (slow).
+# logprob_memory 11, reward_speed 8 (at load 5), long_tail 8 (at load 3) (default total ~89 s);
+# optimizer_memory 28 (slow).
 SLOW = {"optimizer_memory.py"}
 TIMEOUT_S = 900
 

@@ -47,8 +47,8 @@ from minippo.training.rollout_queue import (
     _SEED_STRIDE,
     PromptsExhausted,
     QueueBatch,
+    QueueSettings,
     RolloutSample,
-    _check_sync_every,
     batch_metrics,
     check_staleness,
     collate_completions,
@@ -90,7 +90,7 @@ class _Group:
         return all(s.finished for s in self.samples)
 
 
-class AlternatingQueue:
+class AlternatingQueue(QueueSettings):
     """Generation between training steps, with over-provisioned streaming groups.
 
     Args: those of :class:`~minippo.training.rollout_queue.RolloutQueue` (``engine``,
@@ -122,34 +122,28 @@ class AlternatingQueue:
         seed: int = 0,
         initial_version: int | None = None,
     ) -> None:
-        if not isinstance(groups_per_batch, int) or groups_per_batch < 1:
-            raise ValueError(f"groups_per_batch must be an integer >= 1, got {groups_per_batch!r}")
-        if not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
-            raise ValueError(
-                f"samples_per_prompt must be an integer >= 1, got {samples_per_prompt!r}"
-            )
-        if not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
         if not (isinstance(oversample, int | float) and math.isfinite(oversample)) or (
             oversample < 1
         ):
             raise ValueError(f"rollout.oversample must be a number >= 1.0, got {oversample!r}")
-        self.engine = engine
-        self.prompts = prompts
-        self.groups_per_batch = groups_per_batch
-        self.samples_per_prompt = samples_per_prompt
-        self.sampling = (sampling or SamplingParams()).validate()
-        self.max_staleness = max_staleness
-        self.sync_every = _check_sync_every(sync_every)
-        self.partial_rollout = bool(partial_rollout)
+        super().__init__(
+            engine,
+            prompts,
+            groups_per_batch=groups_per_batch,
+            samples_per_prompt=samples_per_prompt,
+            sampling=sampling,
+            max_staleness=max_staleness,
+            sync_every=sync_every,
+            partial_rollout=partial_rollout,
+            reward_fn=reward_fn,
+            reward_name=reward_name,
+            decode=decode,
+            pad_id=pad_id,
+            seed=seed,
+            initial_version=initial_version,
+        )
         self.in_flight = math.ceil(groups_per_batch * oversample - 1e-9)
         self.sleep = bool(sleep)
-        self.reward_fn = reward_fn
-        self.reward_name = reward_name or getattr(reward_fn, "__qualname__", repr(reward_fn))
-        self.decode = decode
-        self.pad_id = pad_id
-        self.seed = int(seed)
-        self._initial_version = initial_version
         self._version = 0
         self._next_step = 0
         self._groups_taken = 0  # prompts taken from the source since the start of training

@@ -189,7 +189,54 @@ def collate_completions(
     )
 
 
-class RolloutQueue:
+class QueueSettings:
+    """What both rollout queues take (``RolloutQueue``'s Args), checked once."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        prompts: Iterable[Any],
+        *,
+        groups_per_batch: int,
+        samples_per_prompt: int,
+        sampling: SamplingParams | None,
+        max_staleness: int,
+        sync_every: int,
+        partial_rollout: bool,
+        reward_fn: Callable[[RolloutSample], float] | None,
+        reward_name: str | None,
+        decode: Callable[[list[int]], str] | None,
+        pad_id: int,
+        seed: int,
+        initial_version: int | None,
+    ) -> None:
+        if not isinstance(groups_per_batch, int) or groups_per_batch < 1:
+            raise ValueError(f"groups_per_batch must be an integer >= 1, got {groups_per_batch!r}")
+        if not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
+            raise ValueError(
+                f"samples_per_prompt must be an integer >= 1, got {samples_per_prompt!r}"
+            )
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(
+                f"max_staleness must be an integer >= 0 (0 = synchronous), got {max_staleness!r}"
+            )
+        self.engine = engine
+        self.prompts = prompts
+        self.groups_per_batch = groups_per_batch
+        self.samples_per_prompt = samples_per_prompt
+        self.sampling = (sampling or SamplingParams()).validate()
+        self.max_staleness = max_staleness
+        self.sync_every = _check_sync_every(sync_every)
+        self.partial_rollout = bool(partial_rollout)
+        self.reward_fn = reward_fn
+        self.reward_name = reward_name or getattr(reward_fn, "__qualname__", repr(reward_fn))
+        self.decode = decode
+        self.pad_id = pad_id
+        self.seed = int(seed)
+        self._initial_version = initial_version
+
+
+class RolloutQueue(QueueSettings):
     """Feeds prompt groups to an engine from a background thread; hands out complete batches.
 
     Args:
@@ -234,31 +281,22 @@ class RolloutQueue:
         seed: int = 0,
         initial_version: int | None = None,
     ) -> None:
-        if not isinstance(groups_per_batch, int) or groups_per_batch < 1:
-            raise ValueError(f"groups_per_batch must be an integer >= 1, got {groups_per_batch!r}")
-        if not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
-            raise ValueError(
-                f"samples_per_prompt must be an integer >= 1, got {samples_per_prompt!r}"
-            )
-        if not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ValueError(
-                f"max_staleness must be an integer >= 0 (0 = synchronous), got {max_staleness!r}"
-            )
-        self.engine = engine
-        self.prompts = prompts
-        self.groups_per_batch = groups_per_batch
-        self.samples_per_prompt = samples_per_prompt
-        self.sampling = (sampling or SamplingParams()).validate()
-        self.max_staleness = max_staleness
-        self.sync_every = _check_sync_every(sync_every)
-        self.partial_rollout = bool(partial_rollout)
-        self.reward_fn = reward_fn
-        self.reward_name = reward_name or getattr(reward_fn, "__qualname__", repr(reward_fn))
-        self.decode = decode
-        self.pad_id = pad_id
-        self.seed = int(seed)
-        self._initial_version = initial_version
-
+        super().__init__(
+            engine,
+            prompts,
+            groups_per_batch=groups_per_batch,
+            samples_per_prompt=samples_per_prompt,
+            sampling=sampling,
+            max_staleness=max_staleness,
+            sync_every=sync_every,
+            partial_rollout=partial_rollout,
+            reward_fn=reward_fn,
+            reward_name=reward_name,
+            decode=decode,
+            pad_id=pad_id,
+            seed=seed,
+            initial_version=initial_version,
+        )
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False

@@ -300,7 +300,6 @@ def plan_inputs_from_config(
     default 80).
     """
     from minippo.parallel.mesh import shard_ranks, sharding_of
-    from minippo.plan.network import StepShape
 
     path = _select(cfg, "checkpoint_path", None)
     if path:
@@ -333,21 +332,11 @@ def plan_inputs_from_config(
     if device == "cuda":
         gpu = int((gpu_mem_gib if gpu_mem_gib is not None else DEFAULT_GPU_MEM_GIB) * GiB)
     fraction = engine.get("mem_fraction_static") if device == "cuda" else None
+    micro_batch = int(_select(cfg, "ppo.micro_batch_size"))
     score_rows = _score_rows(cfg, ranks)
-    step = StepShape(
-        rows_per_rank=max(
-            1,
-            int(_select(cfg, "rollout.groups_per_batch"))
-            * int(_select(cfg, "rollout.samples_per_prompt"))
-            // ranks,
-        ),
-        micro_batch=int(_select(cfg, "ppo.micro_batch_size")),
-        minibatches=int(_select(cfg, "ppo.minibatches")),
-        epochs=int(_select(cfg, "ppo.epochs")),
-        score_rows=score_rows,
-        sync_every=int(_select(cfg, "rollout.sync_every", 1)),
-        engine_bytes=_engine_bytes(cfg),
-    )
+    step = None  # what one training step runs, for the bytes it sends across nodes
+    if nnodes > 1:
+        step = _step_shape(cfg, ranks, score_rows)
     return PlanInputs(
         actor=actor,
         critic=critic,
@@ -360,7 +349,7 @@ def plan_inputs_from_config(
         device=device,
         master_bytes=dtype_bytes(MASTER_DTYPE),
         compute_bytes=dtype_bytes(_select(cfg, "dtype"), "dtype"),
-        micro_batch=int(_select(cfg, "ppo.micro_batch_size")),
+        micro_batch=micro_batch,
         seq_len=_prompt_len(cfg) + response,
         response_len=response,
         activation_checkpointing=bool(_select(cfg, "activation_checkpointing")),
@@ -396,6 +385,22 @@ def plan_from_config(
         plan_inputs_from_config(
             cfg, gpu_mem_gib=gpu_mem_gib, world_size=world_size, device=device, nnodes=nnodes
         )
+    )
+
+
+def _step_shape(cfg: DictConfig, ranks: int, score_rows: int) -> Any:
+    """:class:`~minippo.plan.network.StepShape` of one training step on each of ``ranks``."""
+    from minippo.plan.network import StepShape
+
+    groups = int(_select(cfg, "rollout.groups_per_batch"))
+    return StepShape(
+        rows_per_rank=max(1, groups * int(_select(cfg, "rollout.samples_per_prompt")) // ranks),
+        micro_batch=int(_select(cfg, "ppo.micro_batch_size")),
+        minibatches=int(_select(cfg, "ppo.minibatches")),
+        epochs=int(_select(cfg, "ppo.epochs")),
+        score_rows=score_rows,
+        sync_every=int(_select(cfg, "rollout.sync_every", 1)),
+        engine_bytes=_engine_bytes(cfg),
     )
 
 

@@ -647,12 +647,15 @@ class MemoryPlan:
         x = self.inputs
         fsdp, hsdp = self.traffic["fsdp"], self.traffic["hsdp"]
 
+        big = max(fsdp.total, *self.layout_totals.values()) >= GiB
+        unit, div = ("GiB", GiB) if big else ("MiB", 2**20)  # MiB for the tiny CPU job
+
         def gib(n: float) -> str:
-            return f"{n / GiB:.2f}"
+            return f"{n / div:.2f}"
 
         lines = [
             "",
-            f"Across nodes per training step ({x.nnodes} nodes x {x.ranks_per_node} ranks; GiB "
+            f"Across nodes per training step ({x.nnodes} nodes x {x.ranks_per_node} ranks; {unit} "
             "out of each node, as much comes in; NCCL ring model, docs/multinode.md):",
             f"{'':<48}{'fsdp':>10}{'hsdp':>10}",
         ]
@@ -669,7 +672,7 @@ class MemoryPlan:
         if self.layout_totals:
             t = self.layout_totals
             lines.append(
-                f"{'device memory per rank, formula (GiB)':<48}{gib(t['fsdp']):>10}"
+                f"{f'device memory per rank, formula ({unit})':<48}{gib(t['fsdp']):>10}"
                 f"{gib(t['hsdp']):>10}"
             )
         lines.append(f"this run: parallel.sharding={x.sharding}")

@@ -144,7 +144,8 @@ class AsyncPPORecipe:
     (classic RLHF PPO, estimated under μ), ``loss`` adds β·KL to the policy loss (GRPO-style;
     ``k2``/``k3`` only, docs/recipe.md).
     Parallelism: under torchrun (``minippo run --nproc-per-node N``) the models are built on the
-    meta device, FSDP2-sharded over all ranks and filled shard by shard; each rank drives its own
+    meta device, FSDP2-sharded over all ranks (``parallel.sharding: hsdp``: over a node's ranks,
+    replicated across nodes; docs/multinode.md) and filled shard by shard; each rank drives its own
     engine with ``groups_per_batch / N`` prompts. A single process trains unsharded. Losses are
     each rank's share of the global loss (global token counts); FSDP sums the gradients.
     Papers: PPO (Schulman et al. 2017), GAE (Schulman et al. 2016), GRPO (Shao et al. 2024),
@@ -160,6 +161,10 @@ class AsyncPPORecipe:
         self.dist = parallel.init_distributed()
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.device, self.is_main = self.dist.device, self.dist.is_main
+        # parallel.sharding: FSDP over every rank, or HSDP (shards in a node, replicas across nodes)
+        self.mesh = (
+            parallel.build_mesh(parallel.sharding_of(cfg)) if self.dist.distributed else None
+        )
         if self.device.type == "cpu":
             # the engine process takes the other cores; oversubscribed intra-op threads spin
             ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -275,7 +280,11 @@ class AsyncPPORecipe:
             "critic_guard": self.critic_guard,
         }
         self.states = {name: obj for name, obj in self.states.items() if obj is not None}
-        self.checkpointer = Checkpointer(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last)
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint.dir,
+            keep_last=cfg.checkpoint.keep_last,
+            shared=OmegaConf.select(cfg, "parallel.shared_output_dir", default=True),
+        )
         resume = self.checkpointer.resolve(cfg.resume_from)
         if resume is not None:
             self._load_checkpoint(resume)
@@ -302,7 +311,8 @@ class AsyncPPORecipe:
         if trainable and self.cfg.activation_checkpointing:  # recompute each block in backward
             parallel.apply_activation_checkpointing(model)
         if self.dist.distributed:  # a plain single process trains unsharded, in fp32
-            parallel.shard_model(model, param_dtype=torch_dtype(self.cfg.dtype), sum_gradients=True)
+            dtype = torch_dtype(self.cfg.dtype)
+            parallel.shard_model(model, mesh=self.mesh, param_dtype=dtype, sum_gradients=True)
         model.to_empty(device=self.device)
         if path:
             return models.load_pretrained_weights(model, path)
@@ -506,7 +516,11 @@ class AsyncPPORecipe:
             for rows in torch.randperm(batch.batch_size, generator=gen).chunk(ppo.minibatches):
                 counts = rl.global_counts(batch.response_mask[rows])
                 shares: dict[str, torch.Tensor] = {}  # this rank's loss shares of the minibatch
-                for micro in rows.split(ppo.micro_batch_size):
+                micros = rows.split(ppo.micro_batch_size)
+                for i, micro in enumerate(micros):
+                    last = i == len(micros) - 1  # HSDP: gradients cross nodes once per minibatch
+                    parallel.set_replica_sync(self.actor, last)
+                    parallel.set_replica_sync(self.critic, last)
                     mb = batch.select(micro)
                     if train_actor:
                         ref = None if ref_logprobs is None else ref_logprobs[micro]

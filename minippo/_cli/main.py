@@ -168,13 +168,31 @@ _RUN_HELP = textwrap.dedent(
     local YAML. Arguments after --config override config values: key=value sets an existing key,
     +key=value adds one, ~key deletes one. Any torchrun flag before the recipe (for example
     --nproc-per-node 8, --nnodes, --rdzv-endpoint) launches the recipe through torch.distributed.run,
-    one process per rank; without launcher flags the recipe runs in this process.
+    one process per rank; without launcher flags the recipe runs in this process. Before any rank
+    starts, this launcher runs every check of `minippo validate` (on each node: files may differ).
+
+    launcher flags (torchrun's, forwarded unchanged; `torchrun --help` lists every one):
+      --nproc-per-node N         ranks on this node (one per GPU)
+      --nnodes N                 nodes of the run (MIN:MAX: elastic; minippo needs a fixed N)
+      --node-rank R              this node's index, 0 .. nnodes-1 (static rendezvous)
+      --master-addr HOST         address of node 0, the same on every node (static rendezvous)
+      --master-port PORT         port on node 0, the same on every node (0: any free port, one node)
+      --rdzv-backend c10d        rendezvous through a store on --rdzv-endpoint (ranks in order
+                                 of arrival) instead of node 0's address (static, the default)
+      --rdzv-endpoint HOST:PORT  where the c10d store listens (one node's address)
+      --rdzv-id ID               a name every node of this run shares (c10d)
+      --max-restarts N           restart every node's ranks up to N times after a failure (they
+                                 start from the config again: set resume_from=latest)
+    Several nodes: parallel.sharding=hsdp, and parallel.shared_output_dir says whether output_dir
+    is one folder all nodes see (docs/multinode.md).
 
     examples:
       minippo run async_ppo --config tiny_cpu
       minippo run async_ppo --config tiny_cpu total_steps=10 seed=1 correction.beta=0.5
       minippo run --nproc-per-node 2 async_ppo --config tiny_cpu
       minippo run ./my_recipe.py --config ./my_tiny.yaml ~logger.log_dir
+      minippo run --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 \\
+          --nproc-per-node 8 async_ppo --config my_16gpu.yaml parallel.sharding=hsdp
     """
 )
 
@@ -262,10 +280,18 @@ def recipe_checks(recipe_path: Path) -> Callable | None:
     return runpy.run_path(str(recipe_path), run_name="__minippo_checks__")["validate_config"]
 
 
-def run_checks(cfg, recipe_path: Path | None, *, world_size: int, distributed: bool) -> list[str]:
+def run_checks(
+    cfg,
+    recipe_path: Path | None,
+    *,
+    world_size: int,
+    distributed: bool,
+    local_world_size: int | None = None,
+) -> list[str]:
     """Every problem `minippo run` would refuse ``cfg`` for before building anything: the
     recipe's ``validate_config`` (or, for a recipe without one, the ``_component_`` checks), then
-    the input files (``minippo.training.preflight``); one line each."""
+    the input files (``minippo.training.preflight``; ``local_world_size``: ranks per node, for
+    the layout of a checkpoint to resume); one line each."""
     from minippo.training.preflight import input_problems
 
     check = recipe_checks(recipe_path) if recipe_path is not None else None
@@ -280,7 +306,7 @@ def run_checks(cfg, recipe_path: Path | None, *, world_size: int, distributed: b
         except ValueError as e:
             problems = [str(e)]
     if not problems:  # as in a run: the files once the config is right
-        problems = input_problems(cfg, world_size)
+        problems = input_problems(cfg, world_size, local_world_size)
     return problems
 
 
@@ -319,15 +345,27 @@ def _run(argv: list[str]) -> int:
 
     script_args = ["--config", str(cfg_path), *overrides]
     if distributed:
-        # every check each rank would run first, once here, before any rank is started
-        world_size = _world_size(largs)
-        problems = run_checks(cfg, recipe_path, world_size=world_size, distributed=True)
+        # every check each rank would run first, once here (on each node: its files may differ),
+        # before any rank is started
+        world_size, per_node = _world_size(largs), _local_world_size(largs)
+        problems = run_checks(
+            cfg, recipe_path, world_size=world_size, distributed=True, local_world_size=per_node
+        )
         if problems:
             raise ConfigError("\n".join(problems), problems)
         largs.training_script = str(recipe_path)
         largs.training_script_args = script_args
         if largs.master_port == 0:  # "any free port": the ranks must all be told the same one
+            if world_size != per_node and largs.rdzv_backend == "static":
+                raise ConfigError(
+                    "--master-port 0 picks a free port on this node, which the other nodes "
+                    "cannot know; give every node the same --master-port (e.g. 29500)"
+                )
             largs.master_port = _free_port()
+        # the ranks repeat these checks; their warnings were printed here, once per node
+        from minippo.training.preflight import LAUNCHER_CHECKED_ENV
+
+        os.environ[LAUNCHER_CHECKED_ENV] = "1"
         return _launch(largs)
     old_argv = sys.argv
     sys.argv = [str(recipe_path), *script_args]
@@ -368,12 +406,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _local_world_size(largs: argparse.Namespace) -> int:
+    from torch.distributed.run import determine_local_world_size
+
+    return determine_local_world_size(largs.nproc_per_node)
+
+
 def _world_size(largs: argparse.Namespace) -> int:
     from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 
     per_node = determine_local_world_size(largs.nproc_per_node)
     low, high = parse_min_max_nnodes(largs.nnodes)
-    return per_node * high if low == high else per_node
+    if low != high:
+        raise ConfigError(
+            f"--nnodes {largs.nnodes}: minippo needs a fixed number of nodes (the batch is split "
+            "over the ranks, and a checkpoint keeps per-rank state); give --nnodes N"
+        )
+    return per_node * high
 
 
 def _launch(largs: argparse.Namespace) -> int:

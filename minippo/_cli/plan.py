@@ -9,7 +9,7 @@ from minippo.config import ConfigError, check_no_flags, load_config
 
 DEFAULT_GPU_MEM_GIB = 80.0
 # key=value arguments that are not config keys but inputs of the plan
-PLAN_KEYS = ("gpu_mem_gib", "nproc_per_node", "device")
+PLAN_KEYS = ("gpu_mem_gib", "nproc_per_node", "nnodes", "device")
 
 DESCRIPTION = textwrap.dedent(
     """\
@@ -24,9 +24,11 @@ DESCRIPTION = textwrap.dedent(
     billions of parameters), which was closer to measured peaks than the formulas on every CPU
     case of docs/memory.md; the items come from the formulas. --formula-only skips the step.
 
-    gpu_mem_gib=N, nproc_per_node=N and device=cuda|cpu are plan inputs given like overrides
-    (defaults: 80 GiB; 1 rank; cuda when the engine class reserves a share of GPU memory, as
-    SGLang's mem_fraction_static does, else cpu); every other key=value overrides the config.
+    gpu_mem_gib=N, nproc_per_node=N, nnodes=N and device=cuda|cpu are plan inputs given like
+    overrides (defaults: 80 GiB; 1 rank; 1 node; cuda when the engine class reserves a share of
+    GPU memory, as SGLang's mem_fraction_static does, else cpu); every other key=value overrides
+    the config. With nnodes > 1 the plan also prints the bytes one training step sends across
+    nodes under parallel.sharding=fsdp and hsdp (docs/multinode.md).
     """
 )
 
@@ -44,6 +46,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
               minippo plan --config qwen3_4b_dapo_math_8gpu gpu_mem_gib=141 nproc_per_node=8 \\
                   checkpoint_path=null 'model={_component_: minippo.models.qwen3_4b}'
               minippo plan --formula-only --config tiny_cpu activation_checkpointing=true
+              minippo plan --config qwen3_4b_dapo_math_8gpu nnodes=2 nproc_per_node=8 \\
+                  parallel.sharding=hsdp
             """
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -57,7 +61,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument(
         "overrides",
         nargs="*",
-        help="key=value / ~key overrides; gpu_mem_gib=N, nproc_per_node=N, device=cuda|cpu",
+        help="key=value / ~key overrides; gpu_mem_gib=N, nproc_per_node=N, nnodes=N, "
+        "device=cuda|cpu",
     )
     p.set_defaults(func=run_plan)
     return p
@@ -75,6 +80,7 @@ def run_plan(args: argparse.Namespace) -> int:
         "gpu_mem_gib": float(extra.get("gpu_mem_gib", DEFAULT_GPU_MEM_GIB)),
         "world_size": int(extra.get("nproc_per_node", 1)),
         "device": extra.get("device"),
+        "nnodes": int(extra.get("nnodes", 1)),
     }
     plan = plan_from_config(cfg, **kw)
     if not getattr(args, "formula_only", False):

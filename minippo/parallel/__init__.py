@@ -13,6 +13,12 @@ Public names:
         -> {native_name: Tensor}
     apply_activation_checkpointing(model) -> model   (per decoder block; before shard_model)
     union_over_ranks(values, device) -> sorted list   (every rank's ints, e.g. weight versions)
+    build_mesh(sharding, world_size=None, local_world_size=None) -> DeviceMesh   (parallel.sharding:
+        "fsdp" 1-D over all ranks, "hsdp" (replicate = nnodes, shard = nproc_per_node))
+    shard_ranks(sharding, world_size, local_world_size=None) -> ranks one parameter is split over
+    sharding_of(cfg) -> "fsdp" | "hsdp"
+    replicas(param) -> ranks holding the same part of it (HSDP: nnodes; else 1)
+    set_replica_sync(model, enabled)   (HSDP: all-reduce across nodes in the next backward or not)
     PublishedWeights()   (the weights last published, for the anchors inside a sync cycle)
     TrainerOffload([(model, optimizer | None), ...]): offload() / reload() -> seconds, moving
         parameters, gradients and optimizer states to host memory and back
@@ -32,24 +38,32 @@ from minippo.parallel.fsdp import (
     gather_full_state_dict,
     load_full_state_dict,
     reshard_all,
+    set_replica_sync,
     shard_model,
 )
+from minippo.parallel.mesh import SHARDINGS, build_mesh, replicas, shard_ranks, sharding_of
 from minippo.parallel.offload import TrainerOffload
 from minippo.parallel.weight_swap import PublishedWeights
 
 __all__ = [
+    "SHARDINGS",
     "DistInfo",
     "PublishedWeights",
     "TrainerOffload",
     "apply_activation_checkpointing",
     "assert_not_meta",
+    "build_mesh",
     "destroy_distributed",
     "export_hf",
     "full_tensor_buckets",
     "gather_full_state_dict",
     "init_distributed",
     "load_full_state_dict",
+    "replicas",
     "reshard_all",
+    "set_replica_sync",
     "shard_model",
+    "shard_ranks",
+    "sharding_of",
     "union_over_ranks",
 ]

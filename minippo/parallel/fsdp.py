@@ -32,6 +32,7 @@ __all__ = [
     "gather_full_state_dict",
     "load_full_state_dict",
     "reshard_all",
+    "set_replica_sync",
     "shard_model",
 ]
 
@@ -73,6 +74,16 @@ def shard_model(
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def set_replica_sync(model: nn.Module | None, enabled: bool) -> None:
+    """HSDP: whether the next backward of ``model`` all-reduces its gradients across the replicas
+    (the nodes). Gradients are reduce-scattered inside the node on every backward either way;
+    with ``enabled`` False they are summed locally until a backward with it True all-reduces the
+    sum, so gradient accumulation crosses the nodes once per optimizer step instead of once per
+    micro-batch. No effect on FSDP over one mesh dimension, on a plain module or on None."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(enabled)
 
 
 def assert_not_meta(model: nn.Module) -> None:

@@ -288,14 +288,19 @@ def plan_inputs_from_config(
     gpu_mem_gib: float | None = None,
     world_size: int = 1,
     device: str | None = None,
+    nnodes: int = 1,
 ) -> PlanInputs:
     """:class:`PlanInputs` of a run config (see the module docstring and docs/memory.md).
 
-    ``world_size``: the ranks the run is sharded over (``minippo run --nproc-per-node``);
+    ``world_size``: the ranks of one node (``minippo run --nproc-per-node``); ``nnodes``: the
+    nodes (``--nnodes``), so the run has ``nnodes · world_size`` ranks and ``parallel.sharding``
+    splits each parameter over all of them (``fsdp``) or over one node's (``hsdp``);
     ``device``: "cuda" or "cpu"; None: cuda when the engine class reserves a share of GPU memory
     (it takes ``mem_fraction_static``), else cpu. ``gpu_mem_gib``: one GPU's memory (cuda only;
     default 80).
     """
+    from minippo.parallel.mesh import shard_ranks, sharding_of
+
     path = _select(cfg, "checkpoint_path", None)
     if path:
         actor = _args_from_hf_folder(path, "checkpoint_path")
@@ -312,6 +317,14 @@ def plan_inputs_from_config(
         raise ConfigError(f"memory plan: device={device!r} must be cuda or cpu")
     if world_size < 1:
         raise ConfigError(f"memory plan: nproc_per_node={world_size} must be >= 1")
+    if nnodes < 1:
+        raise ConfigError(f"memory plan: nnodes={nnodes} must be >= 1")
+    try:
+        sharding = sharding_of(cfg)
+    except ValueError as e:
+        raise ConfigError(f"memory plan: {e}") from None
+    ranks = nnodes * world_size
+    split = shard_ranks(sharding, ranks, world_size)
     response = int(_select(cfg, "rollout.max_new_tokens"))
     opt = _select(cfg, "optimizer")
     max_staleness = int(_select(cfg, "rollout.max_staleness"))
@@ -319,15 +332,24 @@ def plan_inputs_from_config(
     if device == "cuda":
         gpu = int((gpu_mem_gib if gpu_mem_gib is not None else DEFAULT_GPU_MEM_GIB) * GiB)
     fraction = engine.get("mem_fraction_static") if device == "cuda" else None
+    micro_batch = int(_select(cfg, "ppo.micro_batch_size"))
+    score_rows = _score_rows(cfg, ranks)
+    step = None  # what one training step runs, for the bytes it sends across nodes
+    if nnodes > 1:
+        step = _step_shape(cfg, ranks, score_rows)
     return PlanInputs(
         actor=actor,
         critic=critic,
         reference=float(_select(cfg, "kl.coef")) > 0,
-        world_size=world_size,
+        world_size=split,
+        nnodes=nnodes,
+        ranks_per_node=world_size,
+        sharding=sharding,
+        step=step,
         device=device,
         master_bytes=dtype_bytes(MASTER_DTYPE),
         compute_bytes=dtype_bytes(_select(cfg, "dtype"), "dtype"),
-        micro_batch=int(_select(cfg, "ppo.micro_batch_size")),
+        micro_batch=micro_batch,
         seq_len=_prompt_len(cfg) + response,
         response_len=response,
         activation_checkpointing=bool(_select(cfg, "activation_checkpointing")),
@@ -340,7 +362,7 @@ def plan_inputs_from_config(
             partial_rollout=bool(_select(cfg, "rollout.partial_rollout")),
             sync_every=int(_select(cfg, "rollout.sync_every", 1)),
         ),
-        score_rows=_score_rows(cfg, world_size),
+        score_rows=score_rows,
         engine_mem_fraction=None if fraction is None else float(fraction),
         rollout_mode=rollout_mode(cfg),
         offload_trainer=bool(_select(cfg, "rollout.offload_trainer", False)),
@@ -355,8 +377,41 @@ def plan_from_config(
     gpu_mem_gib: float | None = None,
     world_size: int = 1,
     device: str | None = None,
+    nnodes: int = 1,
 ) -> MemoryPlan:
-    """The memory plan of a run config (see :func:`plan_inputs_from_config`)."""
+    """The memory plan of a run config (see :func:`plan_inputs_from_config`); with ``nnodes > 1``
+    also the bytes a step sends across nodes under FSDP and HSDP (:mod:`minippo.plan.network`)."""
     return plan_memory(
-        plan_inputs_from_config(cfg, gpu_mem_gib=gpu_mem_gib, world_size=world_size, device=device)
+        plan_inputs_from_config(
+            cfg, gpu_mem_gib=gpu_mem_gib, world_size=world_size, device=device, nnodes=nnodes
+        )
     )
+
+
+def _step_shape(cfg: DictConfig, ranks: int, score_rows: int) -> Any:
+    """:class:`~minippo.plan.network.StepShape` of one training step on each of ``ranks``."""
+    from minippo.plan.network import StepShape
+
+    groups = int(_select(cfg, "rollout.groups_per_batch"))
+    return StepShape(
+        rows_per_rank=max(1, groups * int(_select(cfg, "rollout.samples_per_prompt")) // ranks),
+        micro_batch=int(_select(cfg, "ppo.micro_batch_size")),
+        minibatches=int(_select(cfg, "ppo.minibatches")),
+        epochs=int(_select(cfg, "ppo.epochs")),
+        score_rows=score_rows,
+        sync_every=int(_select(cfg, "rollout.sync_every", 1)),
+        engine_bytes=_engine_bytes(cfg),
+    )
+
+
+def _engine_bytes(cfg: DictConfig) -> int:
+    """Bytes per element of the weights published to the engine: ``engine.dtype``, else the
+    engine class's default dtype, else fp32."""
+    node = OmegaConf.select(cfg, "engine", default=None)
+    value = None if node is None else node.get("dtype")
+    if value is None and node is not None and "_component_" in node:
+        cls = locate(str(node._component_), "engine._component_")
+        default = inspect.signature(cls).parameters.get("dtype")
+        if default is not None and isinstance(default.default, str):
+            value = default.default
+    return dtype_bytes(value or "fp32", "engine.dtype")

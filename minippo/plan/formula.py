@@ -280,6 +280,13 @@ class PlanInputs:
         engine_weights_host_copy: sleep mode with weights_cpu_backup: a bf16 host copy of the
                                  full weights
         gpu_mem_bytes:           memory of one GPU (None on CPU)
+        nnodes, ranks_per_node:  the run's nodes and ranks per node (ranks_per_node None:
+                                 world_size); ``world_size`` is then the ranks one parameter is
+                                 split over: ranks_per_node under HSDP, nnodes · ranks_per_node
+                                 under FSDP
+        sharding:                "fsdp" or "hsdp" (parallel.sharding)
+        step:                    :class:`~minippo.plan.network.StepShape` of one training step,
+                                 for the bytes it sends across nodes (None: not counted)
     """
 
     actor: Any
@@ -304,6 +311,19 @@ class PlanInputs:
     engine_weights_host_copy: bool = False
     gpu_mem_bytes: int | None = None
     mask: bool = True
+    nnodes: int = 1
+    ranks_per_node: int | None = None
+    sharding: str = "fsdp"
+    step: Any = None
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node is None:
+            self.ranks_per_node = self.world_size
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of the run: nnodes · ranks_per_node."""
+        return self.nnodes * (self.ranks_per_node or self.world_size)
 
     @property
     def sharded(self) -> bool:
@@ -338,6 +358,10 @@ class MemoryPlan:
     items: list[PlanItem] = field(default_factory=list)
     actor_numel: int = 0
     measured: Any = None
+    # several nodes: the bytes a step sends across nodes per sharding, and the formula's device
+    # total per rank under each sharding ({"fsdp": ..., "hsdp": ...})
+    traffic: dict[str, Any] = field(default_factory=dict)
+    layout_totals: dict[str, int] = field(default_factory=dict)
 
     def _phase_device(self, phase: str, engine: bool) -> int:
         return sum(
@@ -505,6 +529,16 @@ class MemoryPlan:
                     f"host: {override} stores {_size(now_host - host)} less of the "
                     f"{x.correction.name} correction's weights in host memory"
                 )
+        if self.traffic and x.sharding == "fsdp":
+            saved = self.traffic["fsdp"].total - self.traffic["hsdp"].total
+            more = ""
+            if self.layout_totals:
+                extra = self.layout_totals["hsdp"] - self.layout_totals["fsdp"]
+                more = f", at {_size(extra)} more per rank (parameters split within a node only)"
+            out.append(
+                f"network: parallel.sharding=hsdp sends {_size(saved)} less across nodes per "
+                f"step{more}"
+            )
         engine = int((x.engine_mem_fraction or 0) * (x.gpu_mem_bytes or 0))
         if engine and not self.alternates:
             out.append(
@@ -538,8 +572,14 @@ class MemoryPlan:
         def fmt(n: int) -> str:
             return f"{n / div:.2f}"
 
+        ranks = f"{x.world_size} rank(s)"
+        if x.nnodes > 1:
+            ranks = (
+                f"{x.ranks} ranks = {x.nnodes} nodes x {x.ranks_per_node}, {x.sharding}: "
+                f"parameters split over {x.world_size}"
+            )
         lines = [
-            f"Per-rank memory plan ({x.world_size} rank(s), {x.device}; micro_batch "
+            f"Per-rank memory plan ({ranks}, {x.device}; micro_batch "
             f"{x.micro_batch} x seq_len {x.seq_len} ({x.response_len} response); activation "
             f"checkpointing {'on' if x.activation_checkpointing else 'off'})",
             "",
@@ -591,6 +631,8 @@ class MemoryPlan:
                 f"{verdict}: {fmt(self.device_total)} {unit} of {fmt(gpu)} {unit} per GPU "
                 f"({fmt(gpu - self.device_total)} {unit} left{larger})"
             )
+        if self.traffic:
+            lines.extend(self._traffic_lines())
         big = ", ".join(f"{i.name} ({fmt(i.device)} {unit})" for i in self.biggest(3))
         lines.append(f"biggest: {big}")
         adv = self.advice()
@@ -598,6 +640,43 @@ class MemoryPlan:
             lines.append("switches that shrink them:")
             lines.extend(f"  - {a}" for a in adv)
         return "\n".join(lines)
+
+    def _traffic_lines(self) -> list[str]:
+        """The bytes one training step sends across nodes under FSDP and HSDP, and what each
+        costs per rank in device memory (several nodes only)."""
+        x = self.inputs
+        fsdp, hsdp = self.traffic["fsdp"], self.traffic["hsdp"]
+
+        big = max(fsdp.total, *self.layout_totals.values()) >= GiB
+        unit, div = ("GiB", GiB) if big else ("MiB", 2**20)  # MiB for the tiny CPU job
+
+        def gib(n: float) -> str:
+            return f"{n / div:.2f}"
+
+        lines = [
+            "",
+            f"Across nodes per training step ({x.nnodes} nodes x {x.ranks_per_node} ranks; {unit} "
+            "out of each node, as much comes in; NCCL ring model, docs/multinode.md):",
+            f"{'':<48}{'fsdp':>10}{'hsdp':>10}",
+        ]
+        for (name, a), (_, b) in zip(fsdp.items, hsdp.items):
+            lines.append(f"{name:<48}{gib(a):>10}{gib(b):>10}")
+        lines.append(f"{'total per node':<48}{gib(fsdp.total):>10}{gib(hsdp.total):>10}")
+        per_rank = x.ranks_per_node or 1
+        lines.append(
+            f"{'per rank (one NIC each)':<48}{gib(fsdp.total / per_rank):>10}"
+            f"{gib(hsdp.total / per_rank):>10}"
+        )
+        split = {"fsdp": x.nnodes * per_rank, "hsdp": per_rank}
+        lines.append(f"{'parameters split over (ranks)':<48}{split['fsdp']:>10}{split['hsdp']:>10}")
+        if self.layout_totals:
+            t = self.layout_totals
+            lines.append(
+                f"{f'device memory per rank, formula ({unit})':<48}{gib(t['fsdp']):>10}"
+                f"{gib(t['hsdp']):>10}"
+            )
+        lines.append(f"this run: parallel.sharding={x.sharding}")
+        return lines
 
     def _mode_lines(self, fmt: Any, unit: str) -> list[str]:
         """The device bytes of each phase of rollout.mode (GPU plans with an engine)."""
@@ -768,7 +847,33 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
                 )
             )
         plan.items.append(PlanItem("CUDA context + slack", CUDA_CONTEXT_BYTES, note="assumed"))
+    if x.nnodes > 1 and x.step is not None:
+        _add_traffic(plan)
     return plan
+
+
+def _add_traffic(plan: MemoryPlan) -> None:
+    """The cross-node bytes of a step under both shardings, and the per-rank device total of
+    the other sharding (formula), for the table and the advice."""
+    from dataclasses import replace
+
+    from minippo.plan.network import cross_node_traffic
+
+    x = plan.inputs
+    scoring = []
+    if x.reference:
+        scoring.append(("reference", x.actor, False))
+    if x.critic is not None:
+        scoring.append(("critic", x.critic, True))
+    scoring += [("correction", x.actor, False)] * x.correction.scoring_passes
+    split = {"fsdp": x.nnodes * (x.ranks_per_node or 1), "hsdp": x.ranks_per_node or 1}
+    for sharding, shard in split.items():
+        plan.traffic[sharding] = cross_node_traffic(x, x.step, sharding, scoring_models=scoring)
+        if sharding == x.sharding:
+            plan.layout_totals[sharding] = plan.device_total
+        else:
+            other = plan_memory(replace(x, world_size=shard, sharding=sharding, step=None))
+            plan.layout_totals[sharding] = other.device_total
 
 
 def scoring_bytes(

@@ -20,6 +20,7 @@ built or allocated.
 from __future__ import annotations
 
 import math
+import os
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -41,8 +42,15 @@ def _trainer_beside_engine(
     """The formula's trainer bytes at its peak in overlap mode (with the 1 GiB allowance for the
     CUDA context and allocator slack), and the problem line when the trainer and the engine's
     static fraction do not fit in ``gpu_mem_bytes`` together (else None)."""
+    # under torchrun a node has $LOCAL_WORLD_SIZE of the ranks (HSDP splits over those only)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    per_node = per_node if per_node >= 1 and world_size % per_node == 0 else world_size
     plan = plan_from_config(
-        cfg, gpu_mem_gib=gpu_mem_bytes / GiB, world_size=world_size, device="cuda"
+        cfg,
+        gpu_mem_gib=gpu_mem_bytes / GiB,
+        world_size=per_node,
+        nnodes=world_size // per_node,
+        device="cuda",
     )
     trainer, gpu = plan.formula_trainer_total, gpu_mem_bytes
     fraction = plan.inputs.engine_mem_fraction or 0.0

@@ -340,11 +340,11 @@ def measure_from_config(
     :func:`measure_step`."""
     x = plan_inputs_from_config(cfg, world_size=world_size, device=device, **plan_kw)
     groups = int(_select(cfg, "rollout.groups_per_batch"))
-    rows = groups * int(_select(cfg, "rollout.samples_per_prompt")) // world_size
+    rows = groups * int(_select(cfg, "rollout.samples_per_prompt")) // x.ranks
     if rows < 1:
         raise ConfigError(
             f"memory plan: rollout.groups_per_batch ({groups}) gives no rows to each of "
-            f"{world_size} ranks; raise it to at least {world_size}"
+            f"{x.ranks} ranks; raise it to at least {x.ranks}"
         )
     per_minibatch = rows // int(_select(cfg, "ppo.minibatches"))
     return measure_step(

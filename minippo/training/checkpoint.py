@@ -6,7 +6,8 @@ Layout under ``ckpt_dir`` (``${output_dir}/checkpoints`` in the configs)::
         .metadata, *.distcp   DCP shards of every model and optimizer (each rank writes its own)
         extra_rank0.pt        per-rank state of the Stateful components (pickled): RNG, correction,
         extra_rank1.pt        rollout queue (with the batch generated ahead), LR schedulers, guards
-        meta.json             {"step": 10, "world_size": 2, "format": 2, "time": ...}; written last
+        meta.json             {"step": 10, "world_size": 2, "shard_ranks": 2, "format": 2, ...};
+                              written last
     latest                    one line: the name of the newest complete checkpoint
 
 Atomicity: everything is written into ``step_000010.tmp/``; only when every rank has finished,
@@ -15,10 +16,22 @@ then replaces ``latest`` (write ``latest.tmp``, ``os.replace``). A process kille
 save therefore leaves the previous checkpoint and the ``latest`` pointer intact; the next save
 removes the half-written ``.tmp`` folder.
 
+Several nodes (docs/multinode.md): ``shared=True`` (``parallel.shared_output_dir``, the default)
+means ``ckpt_dir`` is one folder every node sees, and rank 0 alone manages it as above; a save
+whose ``.tmp`` folder some rank cannot see stops with the fix. ``shared=False`` means each node
+has its own disk: the first rank of every node (``LOCAL_RANK`` 0) manages the folder on its node,
+which then holds its ranks' shards, their ``extra_rank*.pt`` and a ``meta.json``; the DCP
+``.metadata`` is on rank 0's node only. Resuming such a checkpoint needs every node's step folder
+copied into one folder that every rank reads (:func:`verify_checkpoint` names a missing file).
+
 Models and optimizers go through ``get_state_dict`` / ``set_state_dict``
 (``torch.distributed.checkpoint.state_dict``), so the same code saves a plain module in a single
-process (no process group) and an FSDP2-sharded module on N ranks (each rank writes its shards).
-Resuming needs the same world size (the per-rank extra state holds per-rank shards and RNG).
+process (no process group) and an FSDP2-sharded module on N ranks (each rank writes its shards),
+FSDP over all ranks or HSDP across nodes. DCP reshards on load: :meth:`Checkpointer.load_models`
+loads the models and optimizers of a checkpoint into any layout (another mesh, another number of
+ranks, one process). A full resume (:meth:`Checkpointer.load`) needs the same world size and the
+same ``shard_ranks`` (how many ranks one parameter is split over, recorded in ``meta.json``):
+the per-rank extra state holds RNG states and local weight shards (the corrections' copies).
 
 Everything else is a ``Stateful`` (torchtitan's pattern): any object with ``state_dict()`` and
 ``load_state_dict(state)``, passed by name as ``states={"queue": queue, "rng": RNGState(), ...}``;
@@ -35,9 +48,11 @@ removes its partial ``.tmp`` folder and says so; the previous checkpoint and ``l
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -82,6 +97,39 @@ def _rank() -> int:
 
 def _world_size() -> int:
     return dist.get_world_size() if _dist() else 1
+
+
+def _node_leader() -> bool:
+    """Whether this process is the first rank of its node (``LOCAL_RANK`` 0; a single process
+    is)."""
+    return int(os.environ.get("LOCAL_RANK", _rank())) == 0
+
+
+def shard_ranks_of(models: Mapping[str, tuple[nn.Module, Any]]) -> int:
+    """How many ranks one parameter of ``models`` is split over: the product of the mesh
+    dimensions an FSDP2 (DTensor) parameter is sharded on (HSDP: the shard dimension, not the
+    replicas); 1 for plain modules."""
+    for model, _ in models.values():
+        for p in model.parameters():
+            placements = getattr(p, "placements", None)
+            if placements is None:
+                return 1
+            mesh = p.device_mesh
+            return math.prod(mesh.size(i) for i, pl in enumerate(placements) if pl.is_shard())
+    return 1
+
+
+def _appears(folder: Path, wait_s: float = 10.0) -> bool:
+    """Whether ``folder`` is (or within ``wait_s`` becomes) visible here: a network file system
+    may show another node's new folder only after its cached listing of the parent expires."""
+    deadline = time.monotonic() + wait_s
+    while not folder.is_dir():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+        with contextlib.suppress(OSError):
+            os.listdir(folder.parent)  # a fresh listing, where the client caches lookups
+    return True
 
 
 def _barrier() -> None:
@@ -145,15 +193,27 @@ class Checkpointer:
     Args:
         ckpt_dir: the folder holding ``step_*`` checkpoints and the ``latest`` pointer.
         keep_last: keep only the newest ``keep_last`` checkpoints (None: keep all).
+        shared: ``ckpt_dir`` is one folder that every node sees (rank 0 manages it); False: a
+            folder on each node's own disk, managed by the node's first rank (module docstring).
     """
 
-    def __init__(self, ckpt_dir: str | os.PathLike, *, keep_last: int | None = None) -> None:
+    # how long a rank waits for rank 0's new folder to appear on a shared (network) file system
+    visibility_wait_s = 10.0
+
+    def __init__(
+        self, ckpt_dir: str | os.PathLike, *, keep_last: int | None = None, shared: bool = True
+    ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(
                 f"checkpoint.keep_last must be an integer >= 1 or null (keep all), got {keep_last!r}"
             )
         self.ckpt_dir = Path(ckpt_dir)
         self.keep_last = keep_last
+        self.shared = shared
+
+    def _manages_folder(self) -> bool:
+        """Rank 0 on a shared folder; the first rank of each node on node-local folders."""
+        return _rank() == 0 if self.shared else _node_leader()
 
     # ---------------------------------------------------------------- save
     def save(
@@ -177,12 +237,15 @@ class Checkpointer:
         """
         final = self.ckpt_dir / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
-        if _rank() == 0:
+        owner = tmp / ".owner"  # which rank created the folder: tells shared from node-local
+        if self._manages_folder():
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
             if tmp.exists():  # left over by a save that was killed
-                shutil.rmtree(tmp)
-            tmp.mkdir()
+                shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(exist_ok=True)
+            owner.write_text(str(_rank()))
         _barrier()
+        self._check_sharing(tmp, owner)
 
         state = _model_state(models)
         extra = {name: obj.state_dict() for name, obj in states.items()}
@@ -197,13 +260,17 @@ class Checkpointer:
         if not _all_ranks_ok(error is None):
             self._failed_save(step, tmp, error)
 
-        if _rank() == 0:
+        if self._manages_folder():
+            owner.unlink(missing_ok=True)
             info = {
                 "step": step,
                 "world_size": _world_size(),
+                "shard_ranks": shard_ranks_of(models),
                 "format": CHECKPOINT_FORMAT,
                 "time": time.time(),
             }
+            if not self.shared:
+                info["output_dir_shared"] = False
             info.update(meta or {})
             _write_text_atomic(tmp / "meta.json", json.dumps(info, indent=2) + "\n")
             old = None
@@ -219,10 +286,36 @@ class Checkpointer:
         _barrier()
         return final
 
+    def _check_sharing(self, tmp: Path, owner: Path) -> None:
+        """Stop (on every rank) when ``shared`` does not describe the folder: a rank that does not
+        see the folder rank 0 created (node-local disks declared shared), or a node whose folder
+        another node's first rank created (a shared folder declared node-local)."""
+        if self.shared:
+            ok = _appears(tmp, self.visibility_wait_s)
+        else:
+            try:
+                ok = not self._manages_folder() or owner.read_text() == str(_rank())
+            except OSError:
+                ok = False
+        if _all_ranks_ok(ok):
+            return
+        if self.shared:
+            why = (
+                "is not one folder shared by every node (a rank does not see the folder rank 0 "
+                "created); put output_dir on a file system that every node mounts, or set "
+                "parallel.shared_output_dir=false (each node keeps its ranks' shards)"
+            )
+        else:
+            why = (
+                "is one folder shared by several nodes, but parallel.shared_output_dir=false "
+                "says each node has its own; set parallel.shared_output_dir=true"
+            )
+        raise OSError(f"checkpoint.dir={self.ckpt_dir} {why} (docs/multinode.md)")
+
     def _failed_save(self, step: int, tmp: Path, error: BaseException | None) -> None:
-        """Remove the partial checkpoint (rank 0) and raise a message that says why, where, and
-        that the previous checkpoint is intact."""
-        if _rank() == 0:
+        """Remove the partial checkpoint (rank 0; each node's first rank on node-local folders)
+        and raise a message that says why, where, and that the previous checkpoint is intact."""
+        if self._manages_folder():
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
         latest = self.ckpt_dir / LATEST
@@ -297,19 +390,50 @@ class Checkpointer:
         Every name in ``states`` must be in the checkpoint. Returns the contents of meta.json.
         """
         path = Path(path)
-        meta = read_meta(path) or self.verify(path)  # a damaged meta.json: say which
-        found = meta.get("format", 1)
-        if found != CHECKPOINT_FORMAT:
-            raise ValueError(
-                f"checkpoint {path} has checkpoint format {found}, but this minippo reads format "
-                f"{CHECKPOINT_FORMAT}; resume it with the minippo version that wrote it, or start "
-                "a fresh run (resume_from=null)"
-            )
+        meta = self._read_format(path)
         if meta["world_size"] != _world_size():
             raise ValueError(
                 f"checkpoint {path} was written by {meta['world_size']} ranks but this run has "
                 f"{_world_size()}; resume with --nproc-per-node {meta['world_size']}"
             )
+        saved, now = saved_shard_ranks(meta), shard_ranks_of(models)
+        if saved != now:
+            raise ValueError(
+                f"checkpoint {path} was written with parameters split over {saved} ranks, this "
+                f"run splits them over {now} (parallel.sharding or the ranks per node changed); "
+                "its per-rank state (RNG, the corrections' weight shards) belongs to the saved "
+                f"layout: resume with {layout_hint(meta)}, or load only its models and "
+                "optimizers (Checkpointer.load_models)"
+            )
+        self.load_models(path, models=models, meta=meta)
+        extra = torch.load(path / f"extra_rank{_rank()}.pt", weights_only=False)
+        missing = sorted(set(states) - set(extra))
+        if missing:
+            raise ValueError(
+                f"checkpoint {path} has no state for {missing} (it holds {sorted(extra)}); it was "
+                "written by a run with other components"
+            )
+        for name, obj in states.items():
+            obj.load_state_dict(extra[name])
+            _warn_if_schedule_changed(name, obj, meta["step"])
+        log.info("loaded checkpoint %s (step %d)", path, meta["step"])
+        return meta
+
+    def load_models(
+        self,
+        path: str | os.PathLike,
+        *,
+        models: Mapping[str, tuple[nn.Module, torch.optim.Optimizer | None]],
+        meta: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Load only the models and optimizers of checkpoint ``path`` (in place); collective.
+
+        Any layout: DCP reads each rank's part of every tensor whatever mesh, number of ranks or
+        sharding saved it (FSDP over 2 ranks, HSDP over 2 nodes x 1, one process). Per-rank
+        states are not read. Returns the contents of meta.json.
+        """
+        path = Path(path)
+        meta = meta or self._read_format(path)
         self.verify(path)  # every file complete, before any is read
         state = _model_state(models)
         with warnings.catch_warnings():
@@ -325,17 +449,18 @@ class Checkpointer:
                     model_state_dict=state[name],
                     optim_state_dict=state[name + "_optim"],
                 )
-        extra = torch.load(path / f"extra_rank{_rank()}.pt", weights_only=False)
-        missing = sorted(set(states) - set(extra))
-        if missing:
+        return meta
+
+    def _read_format(self, path: Path) -> dict[str, Any]:
+        """meta.json of ``path``, refusing another checkpoint format."""
+        meta = read_meta(path) or self.verify(path)  # a damaged meta.json: say which
+        found = meta.get("format", 1)
+        if found != CHECKPOINT_FORMAT:
             raise ValueError(
-                f"checkpoint {path} has no state for {missing} (it holds {sorted(extra)}); it was "
-                "written by a run with other components"
+                f"checkpoint {path} has checkpoint format {found}, but this minippo reads format "
+                f"{CHECKPOINT_FORMAT}; resume it with the minippo version that wrote it, or start "
+                "a fresh run (resume_from=null)"
             )
-        for name, obj in states.items():
-            obj.load_state_dict(extra[name])
-            _warn_if_schedule_changed(name, obj, meta["step"])
-        log.info("loaded checkpoint %s (step %d)", path, meta["step"])
         return meta
 
     def verify(self, path: str | os.PathLike) -> dict[str, Any]:
@@ -378,6 +503,20 @@ def read_meta(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def saved_shard_ranks(meta: Mapping[str, Any]) -> int:
+    """``shard_ranks`` of a checkpoint's meta.json; checkpoints from before the key were FSDP
+    over all their ranks."""
+    return int(meta.get("shard_ranks", meta["world_size"]))
+
+
+def layout_hint(meta: Mapping[str, Any]) -> str:
+    """The launch that gives a checkpoint's layout, for messages."""
+    world, shard = int(meta["world_size"]), saved_shard_ranks(meta)
+    if shard == world:
+        return f"parallel.sharding=fsdp on {world} rank(s)"
+    return f"parallel.sharding=hsdp on {world // shard} node(s) x --nproc-per-node {shard}"
+
+
 class CorruptCheckpointError(ValueError):
     """A checkpoint file is missing, truncated or corrupt (the message names it)."""
 
@@ -391,12 +530,21 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(path)
 
+    node_local = False  # written to node-local disks: the other nodes' files are elsewhere
+
     def bad(file: str, what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"checkpoint {path}: {file} is {what}")
+        hint = ""
+        if node_local and what == "missing":
+            hint = (
+                " (it was saved with parallel.shared_output_dir=false: copy the step folder of "
+                "every node into one folder and resume from that; docs/multinode.md)"
+            )
+        return CorruptCheckpointError(f"checkpoint {path}: {file} is {what}{hint}")
 
     try:
         meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
         step, world_size = int(meta["step"]), int(meta["world_size"])
+        node_local = meta.get("output_dir_shared") is False
     except FileNotFoundError:
         raise bad("meta.json", "missing (the save did not finish)") from None
     except (ValueError, KeyError, TypeError):

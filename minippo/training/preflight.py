@@ -24,6 +24,7 @@ import glob
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -142,12 +143,23 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
     "metric_logger": Component(),
     "log_every_n_steps": Int(min=1),
     "progress_bar": Bool(),
+    "parallel": Section(
+        {
+            "sharding": Str(("fsdp", "hsdp"), optional=True),
+            "shared_output_dir": Bool(optional=True),
+        },
+        optional=True,
+    ),
     # read by `minippo plan` only
     "nproc_per_node": Int(min=1, optional=True),
+    "nnodes": Int(min=1, optional=True),
     "device": Anything(optional=True),
 }
 
 _FILE_FORMATS = ("json", "jsonl", "parquet", "csv", "text", "arrow")
+# Set by `minippo run` in the ranks it launches: the launcher of their node ran these checks and
+# printed their warnings, so the ranks repeat the checks without printing them again.
+LAUNCHER_CHECKED_ENV = "MINIPPO_LAUNCHER_CHECKED"
 
 
 def raise_problems(problems: list[str]) -> None:
@@ -171,21 +183,28 @@ def config_problems(cfg: DictConfig, schema: dict[str, Spec], world_size: int = 
         from minippo.rl.correction import validate_async_off_policy_correction
 
         try:
-            validate_async_off_policy_correction(cfg)
+            with warnings.catch_warnings():
+                if os.environ.get(LAUNCHER_CHECKED_ENV) == "1":
+                    warnings.simplefilter("ignore")  # printed once by this node's launcher
+                validate_async_off_policy_correction(cfg)
         except ValueError as e:
             problems.append(str(e))
         problems += shared_gpu_problems(cfg, world_size=world_size)
     return problems
 
 
-def check_inputs(cfg: DictConfig, world_size: int = 1) -> None:
+def check_inputs(cfg: DictConfig, world_size: int = 1, local_world_size: int | None = None) -> None:
     """Raise one ConfigError with every problem of :func:`input_problems`."""
-    raise_problems(input_problems(cfg, world_size))
+    raise_problems(input_problems(cfg, world_size, local_world_size))
 
 
-def input_problems(cfg: DictConfig, world_size: int = 1) -> list[str]:
+def input_problems(
+    cfg: DictConfig, world_size: int = 1, local_world_size: int | None = None
+) -> list[str]:
     """Every problem with the files a run reads or writes (see the module docstring); keys the
-    config does not have are skipped."""
+    config does not have are skipped. ``local_world_size``: ranks per node (None:
+    ``$LOCAL_WORLD_SIZE``, else ``world_size``), which with ``parallel.sharding`` gives the layout
+    a checkpoint to resume must have."""
     problems: list[str] = []
     problems += _output_problems(cfg)
     args = None
@@ -210,7 +229,7 @@ def input_problems(cfg: DictConfig, world_size: int = 1) -> list[str]:
     problems += _dataset_problems(cfg, "eval.dataset")
     if not problems:
         problems += _vocab_problems(cfg, args)
-    problems += _resume_problems(cfg, world_size)
+    problems += _resume_problems(cfg, world_size, local_world_size)
     return problems
 
 
@@ -347,11 +366,17 @@ def _vocab_problems(cfg: DictConfig, args: Any) -> list[str]:
     return []
 
 
-def _resume_problems(cfg: DictConfig, world_size: int) -> list[str]:
+def _resume_problems(cfg: DictConfig, world_size: int, local_world_size: int | None) -> list[str]:
     resume = _get(cfg, "resume_from")
     if resume in (None, "", "null") or _get(cfg, "checkpoint.dir") is None:
         return []
-    from minippo.training.checkpoint import Checkpointer, read_meta
+    from minippo.parallel.mesh import shard_ranks, sharding_of
+    from minippo.training.checkpoint import (
+        Checkpointer,
+        layout_hint,
+        read_meta,
+        saved_shard_ranks,
+    )
 
     checkpointer = Checkpointer(Path(cfg.checkpoint.dir).expanduser())
     try:
@@ -363,6 +388,13 @@ def _resume_problems(cfg: DictConfig, world_size: int) -> list[str]:
                 f"{world_size}; resume with --nproc-per-node {meta['world_size']}"
             ]
         meta = checkpointer.verify(path)
+        split = shard_ranks(sharding_of(cfg), world_size, local_world_size) if world_size > 1 else 1
+        if saved_shard_ranks(meta) != split:
+            return [
+                f"checkpoint {path} was written with parameters split over "
+                f"{saved_shard_ranks(meta)} ranks, this run would split them over {split} "
+                f"(parallel.sharding={sharding_of(cfg)}); resume with {layout_hint(meta)}"
+            ]
     except (OSError, ValueError) as e:
         return [str(e)]
     problems = []

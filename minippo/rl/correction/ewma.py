@@ -202,17 +202,20 @@ class EWMA(Correction):
     def distance(self, actor: nn.Module) -> float:
         """‖θ̄ − θ‖₂ over the whole model (all ranks' shards)."""
         from minippo.parallel.distributed import all_reduce_floats
+        from minippo.parallel.mesh import replicas
         from minippo.parallel.weight_swap import local_shards, sharded_flags
 
         shards = local_shards(actor)
         device = shards[0].device if shards else torch.device("cpu")
         # Σ‖θ̄ − θ‖² of the sharded (summed over ranks) and the replicated (counted once)
-        # parameters, accumulated in fp64 on the device
+        # parameters, accumulated in fp64 on the device; under HSDP a shard is on `nnodes` ranks
+        copies = [replicas(p) for p in actor.parameters()]
         sq = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(2)]
         with torch.no_grad():
-            for tb, t, sharded in zip(self.theta_bar, shards, sharded_flags(actor)):
+            for tb, t, sharded, n in zip(self.theta_bar, shards, sharded_flags(actor), copies):
                 # one tensor-sized fp32 temporary at a time
-                sq[0 if sharded else 1] += torch.linalg.vector_norm(tb - t.float()).double() ** 2
+                d2 = torch.linalg.vector_norm(tb - t.float()).double() ** 2
+                sq[0 if sharded else 1] += d2 / n
         local_sharded, replicated = torch.stack(sq).tolist()
         (sharded_sum,) = all_reduce_floats([local_sharded], "sum", device)
         return math.sqrt(sharded_sum + replicated)

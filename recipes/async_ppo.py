@@ -24,7 +24,7 @@ from minippo import models, parallel, rl
 from minippo.config import canonical_dtype, instantiate, torch_dtype
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
-from minippo.rl.correction import build_correction
+from minippo.rl.correction import FixedAnchors, build_correction
 from minippo.training import preflight
 from minippo.training.alternating_queue import AlternatingQueue
 from minippo.training.checkpoint import Checkpointer, RNGState
@@ -554,6 +554,8 @@ class AsyncPPORecipe:
         (its loss shares, its per-token statistics)."""
         ppo, kl_cfg, m = self.cfg.ppo, self.cfg.kl, mb.response_mask
         agg = dict(agg_mode=ppo.loss_agg_mode, global_tokens=counts.tokens, global_seqs=counts.seqs)
+        if ppo.get("fused_loss", False):
+            return self._actor_backward_fused(mb, rows, corr, advantages, ref_logprobs, agg)
         logp, entropy = models.token_logprobs_and_entropy(
             self.actor,
             mb.input_ids,
@@ -585,6 +587,50 @@ class AsyncPPORecipe:
             per_token["train/kl_mean"] = kst.kl_mean
         loss.backward()
         shares["train/loss"] = loss.detach()
+        return shares, per_token
+
+    def _actor_backward_fused(self, mb, rows, corr, advantages, ref_logprobs, agg):
+        """``_actor_backward`` with ``ppo.fused_loss``: the same loss, gradients and statistics
+        from ``models.fused_policy_loss`` (the lm_head and the loss in one chunked pass, nothing
+        recomputed in backward). A correction whose anchor follows the current policy (not
+        ``FixedAnchors``) gets the micro-batch's logprobs from one extra no-grad forward first."""
+        ppo, kl_cfg, m = self.cfg.ppo, self.cfg.kl, mb.response_mask
+        score = dict(
+            attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids,
+            temperature=self.temperature,
+            start=mb.prompt_len,
+        )
+        rows = rows.to(self.device)
+        if isinstance(corr, FixedAnchors):
+            c = corr.minibatch(rows)
+        else:
+            with torch.no_grad():
+                c = corr.minibatch(rows, models.token_logprobs(self.actor, mb.input_ids, **score))
+        with_kl = self.use_ref and kl_cfg.mode == "loss"
+        spec = models.FusedLossSpec(
+            anchor_logprobs=c.anchor_logprobs,
+            advantages=advantages,
+            response_mask=m,
+            weights=c.weights,
+            keep_mask=c.keep_mask,
+            eps_low=ppo.clip_low,
+            eps_high=ppo.clip_high,
+            dual_clip=ppo.dual_clip,
+            ref_logprobs=ref_logprobs if with_kl else None,
+            kl_estimator=kl_cfg.estimator,
+            kl_coef=kl_cfg.coef,
+            **agg,
+        )
+        out = models.fused_policy_loss(self.actor, mb.input_ids, spec, **score)
+        per_token = rl.as_metrics(out.stats)
+        shares = {"train/policy_loss": per_token.pop("train/policy_loss")}
+        per_token["train/entropy"] = rl.masked_mean(out.entropy, m)
+        if with_kl:
+            shares["train/kl_loss"] = out.kl_stats.kl_loss
+            per_token["train/kl_mean"] = out.kl_stats.kl_mean
+        out.loss.backward()
+        shares["train/loss"] = out.loss.detach()
         return shares, per_token
 
     def _critic_backward(self, mb, old_values, returns, counts):

@@ -10,6 +10,9 @@ Public names:
         -> [B, S - start];  token_logprobs_and_entropy(...) -> (logprobs, entropy); both run
         inside Transformer.forward via ``score=ScoreSpec(start, temperature, chunk_size, ...)``;
         response_logprobs(model, batch, *, temperature) -> [B, R] of a RolloutBatch
+    fused_policy_loss(model, input_ids, FusedLossSpec(...), *, attention_mask, position_ids,
+        temperature, start, chunk_size) -> FusedPolicyOutput(loss, stats, kl_stats, logprobs,
+        entropy): rl.policy_loss (+ β·rl.kl_loss) with the lm_head fused, no recompute in backward
     HF folders: from_pretrained(path, dtype, device) -> Transformer; save_pretrained(model, path, *,
         max_shard_bytes); save_pretrained_state_dict(native_sd, args, path); load_hf_state_dict;
         value_model_from_pretrained; model_args_from_hf_config(dict); hf_config_from_model_args;
@@ -20,6 +23,7 @@ Public names:
         vocab_size); TinyTokenizer() built-in char tokenizer; load_tokenizer(path) -> HFTokenizer
 """
 
+from minippo.models.fused_policy_loss import FusedLossSpec, FusedPolicyOutput
 from minippo.models.hf_checkpoint import (
     from_pretrained,
     hf_config_from_model_args,
@@ -36,6 +40,7 @@ from minippo.models.hf_checkpoint import (
 )
 from minippo.models.logprobs import (
     ScoreSpec,
+    fused_policy_loss,
     response_logprobs,
     token_logprobs,
     token_logprobs_and_entropy,
@@ -67,6 +72,8 @@ from minippo.models.tokenizer import (
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "TOKENIZER_FILES",
+    "FusedLossSpec",
+    "FusedPolicyOutput",
     "HFTokenizer",
     "KVCache",
     "ModelArgs",
@@ -76,6 +83,7 @@ __all__ = [
     "Transformer",
     "ValueModel",
     "from_pretrained",
+    "fused_policy_loss",
     "hf_config_from_model_args",
     "hf_name",
     "init_weights",

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from minippo.models.fused_policy_loss import FusedLossSpec, FusedPolicyOutput
+
 if TYPE_CHECKING:
     from minippo.rl.types import RolloutBatch
 
@@ -29,13 +31,17 @@ class ScoreSpec:
     logits, the lm_head applied ``chunk_size`` tokens at a time. Going through ``forward`` keeps
     every module hook working (FSDP2 gathers the lm_head, activation checkpointing, trackers).
     ``entropy_grad``: the entropies carry a gradient (for an entropy term in a loss); without it
-    they are computed without autograd, which keeps their intermediates out of backward."""
+    they are computed without autograd, which keeps their intermediates out of backward.
+    ``fused``: return the policy loss of these logprobs instead, its gradient formed chunk by
+    chunk in the forward pass (a :class:`~minippo.models.fused_policy_loss.FusedPolicyOutput`;
+    see :func:`fused_policy_loss`)."""
 
     start: int = 1
     temperature: float = 1.0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     with_entropy: bool = False
     entropy_grad: bool = False
+    fused: FusedLossSpec | None = None
 
 
 def _chunk_logprobs(
@@ -186,12 +192,35 @@ def token_logprobs_and_entropy(
     return _score(model, input_ids, attention_mask, position_ids, spec)
 
 
+def fused_policy_loss(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    spec: FusedLossSpec,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    start: int = 1,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> FusedPolicyOutput:
+    """The PPO policy loss (+ β·KL) of the tokens ``input_ids[:, start:]``, fused with the lm_head.
+
+    Same value, statistics and gradients as :func:`token_logprobs_and_entropy` followed by
+    ``rl.policy_loss`` (+ ``spec.kl_coef`` · ``rl.kl_loss``) with the inputs of ``spec``, but each
+    chunk's logits are used once: their gradient into the hidden states and the lm_head weight is
+    formed in the forward pass (:mod:`minippo.models.fused_policy_loss`), so backward recomputes
+    nothing. Returns a ``FusedPolicyOutput(loss, stats, kl_stats, logprobs, entropy)``.
+    """
+    score = ScoreSpec(start, temperature, chunk_size, with_entropy=True, fused=spec)
+    return _score(model, input_ids, attention_mask, position_ids, score)
+
+
 def _score(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     spec: ScoreSpec,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | FusedPolicyOutput:
     """``model.forward`` with a :class:`ScoreSpec`: the work of both public scoring functions."""
     return model(input_ids, attention_mask=attention_mask, position_ids=position_ids, score=spec)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minippo.models.fused_policy_loss import FusedPolicyOutput, fused_policy_loss_from_hidden
 from minippo.models.logprobs import (
     ScoreSpec,
     check_score_args,
@@ -428,7 +429,7 @@ class Transformer(_Decoder):
         kv_cache: KVCache | None = None,
         return_hidden: bool = False,
         score: ScoreSpec | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | FusedPolicyOutput:
         """Logits ``[B, S, V]`` (dtype of the weights) for ``tokens Long[B, S]``.
 
         position_ids:   Long[B, S]; default ``cached + arange(S)`` (pass it with left padding).
@@ -438,7 +439,8 @@ class Transformer(_Decoder):
         return_hidden:  return the final-normed hidden states ``[B, S, D]`` instead of logits.
         score:          return ``Float32[B, S - start]`` logprobs of ``tokens[:, start:]`` (and
                         entropies if asked) instead of logits, chunk by chunk; used by
-                        :func:`~minippo.models.token_logprobs`.
+                        :func:`~minippo.models.token_logprobs`; with ``score.fused`` the fused
+                        policy loss of those logprobs (:func:`~minippo.models.fused_policy_loss`).
         """
         if score is not None:
             if kv_cache is not None or return_hidden:
@@ -447,6 +449,15 @@ class Transformer(_Decoder):
         h = self.hidden_states(
             tokens, position_ids=position_ids, attention_mask=attention_mask, kv_cache=kv_cache
         )
+        if score is not None and score.fused is not None:
+            return fused_policy_loss_from_hidden(
+                h[:, score.start - 1 : -1],
+                self.output.weight,
+                tokens[:, score.start :],
+                score.fused,
+                temperature=score.temperature,
+                chunk_size=score.chunk_size,
+            )
         if score is not None:
             return logprobs_from_hidden(
                 h[:, score.start - 1 : -1],

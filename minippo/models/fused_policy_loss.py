@@ -1,0 +1,281 @@
+"""Fused lm_head + PPO policy loss: the gradient is formed in the forward pass, chunk by chunk.
+
+The policy loss (``rl.policy_loss``, plus β·``rl.kl_loss`` when the KL is a loss term) depends on
+the model only through each response token's logprob lp_t, and its derivative with respect to
+lp_t has a closed form in lp_t, the anchor, the advantage, the weight and the clip. So each chunk
+of ``chunk_size`` tokens computes its logits z = lm_head(h) / T, the logprob and entropy, the
+token gradient g_t = ∂loss/∂lp_t, and at once that chunk's gradients into the hidden states and
+the lm_head weight,
+
+    ∂loss/∂z_t = g_t · (onehot(y_t) − softmax(z_t)),   ∂loss/∂logits = ∂loss/∂z / T,
+
+then frees the logits. Backward only scales the saved gradients by the incoming one: no chunk is
+recomputed (:mod:`minippo.models.logprobs` checkpoints every chunk and recomputes it instead).
+The entropy is computed for the metrics only; no loss term of the recipe uses it.
+
+Token gradient (m: response mask, k: keep-mask, w: weight, a: anchor, A: advantage, c_t: the
+aggregation coefficient ∂aggregate/∂L_t of ``rl.aggregate`` with the global counts, r = exp(ρ),
+ρ = clamp(lp − a, ±20), the conventions of torch's autograd at ties kept):
+
+    ∂L/∂lp   = −A · r · [|lp − a| ≤ 20] · [−r·A ≥ −clip(r)·A]           (the clipped side: 0)
+    dual clip (A < 0): × 1 if L < −c·A, 1/2 if L = −c·A, 0 if L > −c·A
+    KL, d = clamp(ref − lp, ±20):  k1: [|d| ≤ 20];  k2: −d·[|d| ≤ 20];  k3: −expm1(d)·[|d| ≤ 20]
+    g_t = c_t · (m_t·k_t · w_t · ∂L/∂lp + β · m_t · ∂kl/∂lp)
+
+The loss value and the statistics come from ``rl.policy_loss`` / ``rl.kl_loss`` applied to the
+(detached) logprobs, so they are the unfused path's numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from minippo.rl.aggregation import aggregate
+from minippo.rl.functional import LOG_RATIO_CLAMP
+from minippo.rl.kl import KL_ESTIMATORS, KLStats, kl_loss
+from minippo.rl.losses import PolicyStats, policy_loss
+
+
+@dataclass(frozen=True)
+class FusedLossSpec:
+    """The policy-loss inputs of a fused scoring pass (``ScoreSpec(fused=...)``); the per-token
+    tensors are response-aligned ``[B, R]`` like the logprobs they score, and detached here.
+
+    Fields: ``anchor_logprobs``, ``advantages``, ``response_mask``, ``weights`` (None: 1),
+    ``keep_mask`` (None: all kept), ``eps_low``, ``eps_high``, ``dual_clip``, ``agg_mode``,
+    ``global_tokens``, ``global_seqs``: as in ``rl.policy_loss``; ``ref_logprobs`` (None: no KL
+    term), ``kl_estimator``, ``kl_coef``: the β·``rl.kl_loss`` term added to the loss.
+    """
+
+    anchor_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+    weights: torch.Tensor | None = None
+    keep_mask: torch.Tensor | None = None
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    agg_mode: str = "token-mean"
+    global_tokens: float | torch.Tensor | None = None
+    global_seqs: float | torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    kl_estimator: str = "k3"
+    kl_coef: float = 0.0
+
+
+class FusedPolicyOutput(NamedTuple):
+    """What a fused scoring pass returns.
+
+    Fields:
+        loss       scalar with grad: this micro-batch's policy loss (+ β·KL loss)
+        stats      :class:`~minippo.rl.PolicyStats` of ``rl.policy_loss`` (policy term only)
+        kl_stats   :class:`~minippo.rl.KLStats` of ``rl.kl_loss`` (None without a KL term)
+        logprobs   Float32[B, R], detached
+        entropy    Float32[B, R], detached
+    """
+
+    loss: torch.Tensor
+    stats: PolicyStats
+    kl_stats: KLStats | None
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+def _token_grad(lp: torch.Tensor, t: dict[str, torch.Tensor], spec: FusedLossSpec) -> torch.Tensor:
+    """g_t = ∂loss/∂lp_t of one chunk (Float32[n]); ``t`` holds the chunk's prepared inputs."""
+    kept, adv, anchor, w, coef = t["kept"], t["adv"], t["anchor"], t["w"], t["coef"]
+    diff = lp - anchor
+    in_range = (diff >= -LOG_RATIO_CLAMP) & (diff <= LOG_RATIO_CLAMP)
+    ratio = torch.exp(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    loss_unclipped = -ratio * adv
+    loss_clipped = -ratio.clamp(1.0 - spec.eps_low, 1.0 + spec.eps_high) * adv
+    # ∂L/∂r = −A where the unclipped term is the max (ties: both sides carry −A or A = 0)
+    grad = torch.where(in_range & (loss_unclipped >= loss_clipped), -adv * ratio, 0.0)
+    if spec.dual_clip is not None:
+        per_token = torch.maximum(loss_unclipped, loss_clipped)
+        bound = -spec.dual_clip * adv
+        # torch.minimum: the smaller side takes the gradient, a tie splits it in halves
+        share = torch.where(per_token < bound, 1.0, torch.where(per_token == bound, 0.5, 0.0))
+        grad = torch.where(adv < 0, grad * share, grad)
+    g = torch.where(kept, coef * (w * grad), 0.0)
+    if spec.ref_logprobs is not None and spec.kl_coef != 0.0:
+        d = t["ref"] - lp
+        d_in = (d >= -LOG_RATIO_CLAMP) & (d <= LOG_RATIO_CLAMP)
+        dc = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        if spec.kl_estimator == "k1":
+            dkl = torch.ones_like(dc)
+        elif spec.kl_estimator == "k2":
+            dkl = -dc
+        else:
+            dkl = -torch.expm1(dc)
+        g = g + torch.where(t["valid"] & d_in, spec.kl_coef * (coef * dkl), 0.0)
+    return g
+
+
+def _agg_coef(spec: FusedLossSpec, like: torch.Tensor) -> torch.Tensor:
+    """c_t = ∂aggregate(L, m)/∂L_t (the aggregation's own autograd: the unfused coefficients)."""
+    with torch.enable_grad():
+        x = torch.zeros_like(like, dtype=torch.float32, requires_grad=True)
+        out = aggregate(
+            x,
+            spec.response_mask,
+            spec.agg_mode,
+            global_tokens=spec.global_tokens,
+            global_seqs=spec.global_seqs,
+        )
+        (coef,) = torch.autograd.grad(out, x)
+    return coef
+
+
+def _prepare(spec: FusedLossSpec, shape: torch.Size) -> dict[str, torch.Tensor]:
+    """Flattened [N] per-token inputs; rejected and padded tokens get finite neutral values."""
+    m = spec.response_mask
+    valid = m > 0
+    kept = valid if spec.keep_mask is None else valid & (spec.keep_mask > 0)
+    zero = torch.zeros(shape, dtype=torch.float32, device=m.device)
+    # dtypes as the unfused ops promote them (float32 logprobs with float32 or wider inputs)
+    out = {
+        "valid": valid,
+        "kept": kept,
+        "adv": torch.where(kept, spec.advantages.detach(), zero),
+        "anchor": torch.where(kept, spec.anchor_logprobs.detach(), zero),
+        "w": zero + 1.0 if spec.weights is None else torch.where(kept, spec.weights.detach(), 1.0),
+        "coef": _agg_coef(spec, zero),
+    }
+    if spec.ref_logprobs is not None:
+        out["ref"] = torch.where(valid, spec.ref_logprobs.detach(), zero)
+    return {k: v.reshape(-1) for k, v in out.items()}
+
+
+class _FusedPolicyLoss(torch.autograd.Function):
+    """(h [N, D], W [V, D]) -> (loss, logprobs [N], entropy [N]); see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, temperature, chunk_size, prep, spec, finish):
+        N = h.shape[0]
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        lp_all = torch.empty(N, dtype=torch.float32, device=h.device)
+        ent_all = torch.empty(N, dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        acc = torch.promote_types(weight.dtype, torch.float32)  # bf16 weights: fp32 sums
+        grad_w = (
+            torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            if ctx.needs_input_grad[1]
+            else None
+        )
+        for c in range(0, N, chunk_size):
+            sl = slice(c, min(c + chunk_size, N))
+            hc, tc = h[sl], targets[sl]
+            z = (hc @ weight.t()).float() / temperature  # the F.linear of lm_head, no bias
+            lse = torch.logsumexp(z, dim=-1)
+            lp = z.gather(-1, tc[:, None]).squeeze(-1) - lse
+            p = torch.softmax(z, dim=-1)
+            ent_all[sl] = lse - (p * z).sum(-1)
+            lp_all[sl] = lp
+            del z
+            if not need_grad:
+                continue
+            # g in the logprobs' float32, as autograd hands it to the logprob's own backward
+            g = _token_grad(lp, {k: v[sl] for k, v in prep.items()}, spec).to(lp.dtype)
+            # ∂loss/∂logits = g · (onehot − p) / T, then in the lm_head's dtype (autograd's order)
+            dz = p.mul_(-g[:, None])
+            dz.scatter_add_(-1, tc[:, None], g[:, None])
+            dz = dz.div_(temperature).to(h.dtype)
+            del p
+            if grad_h is not None:
+                grad_h[sl] = dz @ weight
+            if grad_w is not None:
+                grad_w += (dz.t() @ hc).to(acc)
+            del dz
+        loss = finish(lp_all, ent_all)
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        ctx.mark_non_differentiable(lp_all, ent_all)
+        return loss, lp_all, ent_all
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lp, _grad_ent):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
+        gw = None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype)
+        return gh, gw, None, None, None, None, None, None
+
+
+def check_fused_spec(spec: FusedLossSpec, shape: torch.Size) -> None:
+    """Raise ValueError on fused-loss inputs ``rl.policy_loss`` / ``rl.kl_loss`` would refuse."""
+    for name in ("anchor_logprobs", "advantages", "response_mask", "weights", "keep_mask"):
+        t = getattr(spec, name)
+        if t is not None and t.shape != shape:
+            raise ValueError(f"fused loss: {name} has shape {tuple(t.shape)}, expected {shape}")
+    if spec.ref_logprobs is not None and spec.ref_logprobs.shape != shape:
+        raise ValueError(
+            f"fused loss: ref_logprobs has shape {tuple(spec.ref_logprobs.shape)}, expected {shape}"
+        )
+    if spec.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {spec.kl_estimator!r}; use one of {KL_ESTIMATORS}")
+
+
+def fused_policy_loss_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    spec: FusedLossSpec,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> FusedPolicyOutput:
+    """The policy loss (+ β·KL) of ``targets Long[B, R]`` under ``hidden [B, R, D] @ weight.T / T``
+    with its gradient into ``hidden`` and ``weight`` formed in this call (see the module
+    docstring). ``weight`` is the lm_head weight as the model's forward sees it (under FSDP2 the
+    gathered one: call this inside the model's forward, as ``Transformer.forward`` does)."""
+    B, R, D = hidden.shape
+    shape = torch.Size((B, R))
+    check_fused_spec(spec, shape)
+    prep = _prepare(spec, shape)
+    out: dict = {}
+
+    def finish(lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+        # the unfused functions on the detached logprobs: same loss value, same statistics
+        logp = lp.view(B, R)
+        loss, stats = policy_loss(
+            logp,
+            spec.anchor_logprobs,
+            spec.advantages,
+            spec.response_mask,
+            eps_low=spec.eps_low,
+            eps_high=spec.eps_high,
+            dual_clip=spec.dual_clip,
+            weights=spec.weights,
+            keep_mask=spec.keep_mask,
+            agg_mode=spec.agg_mode,
+            global_tokens=spec.global_tokens,
+            global_seqs=spec.global_seqs,
+        )
+        out["stats"], out["kl_stats"] = stats, None
+        if spec.ref_logprobs is not None:
+            kl, kst = kl_loss(
+                logp,
+                spec.ref_logprobs,
+                spec.response_mask,
+                spec.kl_estimator,
+                agg_mode=spec.agg_mode,
+                global_tokens=spec.global_tokens,
+                global_seqs=spec.global_seqs,
+            )
+            loss = loss + spec.kl_coef * kl
+            out["kl_stats"] = kst
+        return loss.detach().clone()
+
+    loss, lp, ent = _FusedPolicyLoss.apply(
+        hidden.reshape(B * R, D),
+        weight,
+        targets.reshape(B * R),
+        temperature,
+        chunk_size,
+        prep,
+        spec,
+        finish,
+    )
+    return FusedPolicyOutput(loss, out["stats"], out["kl_stats"], lp.view(B, R), ent.view(B, R))

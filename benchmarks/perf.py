@@ -12,7 +12,10 @@ in one run (both sides interleaved, so that a busy machine slows both alike).
                (Transformer + chunked token_logprobs + rl.policy_loss) vs a straightforward
                transformers implementation (Qwen3ForCausalLM, full [B, S, V] logits,
                log_softmax + gather, the same clipped loss written out), same weights, batch,
-               optimizer (torch.optim.AdamW) and torch threads.
+               optimizer (torch.optim.AdamW) and torch threads. A second row times the same
+               update with ``models.fused_policy_loss`` (lm_head and loss fused, no recompute;
+               goal >= 1x), and a third compares the peak bytes of the tensors forward +
+               backward create, fused vs transformers (goal <= 1/3).
 
     python benchmarks/perf.py --quick       # seconds
     python benchmarks/perf.py               # the figures in docs/benchmarks.md
@@ -22,13 +25,21 @@ in one run (both sides interleaved, so that a busy machine slows both alike).
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from _common import DEFAULT_OUT, load_average, machine, markdown_table, run_recipe
+from _common import (
+    DEFAULT_OUT,
+    TensorMemoryTracker,
+    load_average,
+    machine,
+    markdown_table,
+    run_recipe,
+)
 
 SECTIONS = ("engine", "async", "correction", "ppo")
 
@@ -184,18 +195,33 @@ def hf_ppo_loss(logp, old, adv, mask, eps=0.2) -> torch.Tensor:
     return (per_token * mask).sum() / mask.sum()
 
 
+class _NoStep:
+    """An optimizer's ``zero_grad`` without its ``step``: a step's forward and backward alone."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        pass
+
+
 def ppo_update(quick: bool, threads: int) -> list[list]:
     import engine_throughput as et
 
-    from minippo.models import token_logprobs
+    from minippo.models import FusedLossSpec, fused_policy_loss, token_logprobs
     from minippo.rl import policy_loss
 
     vocab, dim, layers = (8_000, 128, 2) if quick else (32_000, 256, 4)
     B, P, R = (4, 16, 32) if quick else (8, 64, 192)
     iters = 2 if quick else 5
     hf, ours = et.twin_models(vocab=vocab, dim=dim, layers=layers, seed=0)
+    fused = copy.deepcopy(ours)  # the same weights, its own optimizer
     hf.train()
     ours.train()
+    fused.train()
     b = ppo_batch(B, P, R, vocab)
     with torch.no_grad():
         old = token_logprobs(
@@ -214,6 +240,16 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
         opt.step()
         return float(loss.detach())
 
+    def step_fused(opt):
+        opt.zero_grad(set_to_none=True)
+        spec = FusedLossSpec(anchor_logprobs=old, advantages=b["adv"], response_mask=b["resp"])
+        out = fused_policy_loss(
+            fused, b["ids"], spec, attention_mask=b["attn"], position_ids=b["pos"], start=P
+        )
+        out.loss.backward()
+        opt.step()
+        return float(out.loss.detach())
+
     def step_hf(opt):
         opt.zero_grad(set_to_none=True)
         loss = hf_ppo_loss(hf_logprobs(hf, b), old, b["adv"], b["resp"])
@@ -223,28 +259,68 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
 
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-5)
     opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-5)
+    opt_fused = torch.optim.AdamW(fused.parameters(), lr=1e-5)
     l_ours, l_hf = step_ours(opt_ours), step_hf(opt_hf)  # warm-up; the first losses must agree
-    t_ours, t_hf = [], []
+    l_fused = step_fused(opt_fused)
+    t_ours, t_hf, t_fused = [], [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         step_hf(opt_hf)
         t1 = time.perf_counter()
         step_ours(opt_ours)
         t2 = time.perf_counter()
+        step_fused(opt_fused)
+        t3 = time.perf_counter()
         t_hf.append(t1 - t0)
         t_ours.append(t2 - t1)
+        t_fused.append(t3 - t2)
+    # peak bytes of the tensors forward + backward create (activations, logits, gradients; the
+    # weights and AdamW states exist before), op by op, one untimed pass per side without the
+    # optimizer step (AdamW's temporaries are the same on every side and would hide the rest)
+    peak = {}
+    for name, fn, opt in (
+        ("hf", step_hf, opt_hf),
+        ("ours", step_ours, opt_ours),
+        ("fused", step_fused, opt_fused),
+    ):
+        tracker = TensorMemoryTracker()
+        with tracker:
+            fn(_NoStep(opt))
+        peak[name] = tracker.peak.get("cpu", 0) / 2**20
+        opt.zero_grad(set_to_none=True)
     tokens = int(b["attn"].sum())
     ours_tps = tokens / statistics.median(t_ours)
     hf_tps = tokens / statistics.median(t_hf)
+    fused_tps = tokens / statistics.median(t_fused)
     print(
         f"Qwen3 {layers} layers, hidden {dim}, vocab {vocab}, fp32; batch {B} x (prompt <= {P} "
         f"| response <= {R}), {tokens} real tokens; AdamW; {threads} thread(s); median of {iters}"
     )
     print(
         f"agreement: max |logprob diff| {diff:.1e}; first-step loss ours {l_ours:.6f} vs "
-        f"HF {l_hf:.6f}"
+        f"HF {l_hf:.6f}, fused {l_fused:.6f}"
     )
-    return [["PPO update tokens/s", f"{ours_tps:.0f}", f"{hf_tps:.0f}", ours_tps / hf_tps, "—"]]
+    print(
+        f"peak tensor memory of forward + backward (MiB): HF {peak['hf']:.1f}, ours {peak['ours']:.1f}, "
+        f"fused {peak['fused']:.1f}"
+    )
+    return [
+        ["PPO update tokens/s", f"{ours_tps:.0f}", f"{hf_tps:.0f}", ours_tps / hf_tps, "—"],
+        [
+            "PPO update tokens/s, fused loss",
+            f"{fused_tps:.0f}",
+            f"{hf_tps:.0f}",
+            fused_tps / hf_tps,
+            ">= 1",
+        ],
+        [
+            "PPO fwd+bwd peak tensor MiB, fused loss",
+            f"{peak['fused']:.1f}",
+            f"{peak['hf']:.1f}",
+            peak["fused"] / peak["hf"],
+            "<= 0.33",
+        ],
+    ]
 
 
 # ------------------------------------------------------------------------------ main

@@ -169,11 +169,14 @@ class _FusedPolicyLoss(torch.autograd.Function):
         for c in range(0, N, chunk_size):
             sl = slice(c, min(c + chunk_size, N))
             hc, tc = h[sl], targets[sl]
-            z = (hc @ weight.t()).float() / temperature  # the F.linear of lm_head, no bias
+            # the F.linear of lm_head (no bias); the chunk holds two [n, V] float32 tensors, z and
+            # p (in-place ops, and the entropy's row dots as a batched matmul, make no third)
+            z = (hc @ weight.t()).float()
+            z = z.div_(temperature)
             lse = torch.logsumexp(z, dim=-1)
             lp = z.gather(-1, tc[:, None]).squeeze(-1) - lse
             p = torch.softmax(z, dim=-1)
-            ent_all[sl] = lse - (p * z).sum(-1)
+            ent_all[sl] = lse - torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
             lp_all[sl] = lp
             del z
             if not need_grad:
@@ -186,20 +189,30 @@ class _FusedPolicyLoss(torch.autograd.Function):
             dz = dz.div_(temperature).to(h.dtype)
             del p
             if grad_h is not None:
-                grad_h[sl] = dz @ weight
+                torch.matmul(dz, weight, out=grad_h[sl])
             if grad_w is not None:
-                grad_w += (dz.t() @ hc).to(acc)
+                if grad_w.dtype == dz.dtype:
+                    grad_w.addmm_(dz.t(), hc)
+                else:
+                    grad_w += (dz.t() @ hc).to(acc)
             del dz
         loss = finish(lp_all, ent_all)
-        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        # kept on ctx (not saved tensors): backward scales them in place and hands them over
+        ctx.grad_h = grad_h
+        ctx.grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         ctx.mark_non_differentiable(lp_all, ent_all)
         return loss, lp_all, ent_all
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lp, _grad_ent):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
-        gw = None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype)
+        gh, gw = ctx.grad_h, ctx.grad_w
+        ctx.grad_h = ctx.grad_w = None  # a second backward through this graph has nothing left
+        if gh is None and gw is None:
+            raise RuntimeError(
+                "the fused policy loss was already backpropagated (its gradients are formed once)"
+            )
+        gh = None if gh is None else gh.mul_(grad_loss.to(gh.dtype))
+        gw = None if gw is None else gw.mul_(grad_loss.to(gw.dtype))
         return gh, gw, None, None, None, None, None, None
 
 

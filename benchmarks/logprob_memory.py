@@ -2,6 +2,8 @@
 
 naive:    logits = model(tokens) [B, S, V] fp32 -> log_softmax(logits / T) -> gather -> backward
 chunked:  minippo.models.token_logprobs (lm_head chunk by chunk, each chunk checkpointed)
+fused:    minippo.models.fused_policy_loss with inputs that make its gradient that of Σ logprobs
+          (each chunk's gradient formed in the forward pass, nothing recomputed)
 
 Each variant runs in a fresh subprocess on CPU; reported per variant:
   peak tensor memory  the most bytes held at once, during forward + backward, by tensors created
@@ -29,6 +31,8 @@ import time
 
 import torch
 from _common import TensorMemoryTracker, rss_bytes
+
+VARIANTS = ("naive", "chunked", "fused")
 
 
 def _build(args):
@@ -63,19 +67,43 @@ def _chunked(model, tokens, T, start, chunk_size):
     return token_logprobs(model, tokens, temperature=T, start=start, chunk_size=chunk_size)
 
 
+def _fused(model, tokens, T, start, chunk_size):
+    """The fused PPO loss with inputs that make its gradient that of Σ logprobs: anchors = the
+    logprobs themselves (r = 1, inside the clip), A = −1, token-mean over a global count of 1, so
+    L_t = r_t and ∂loss/∂lp_t = 1. Returns (loss, logprobs)."""
+    from minippo.models import FusedLossSpec, fused_policy_loss, token_logprobs
+
+    with torch.no_grad():
+        anchor = token_logprobs(model, tokens, temperature=T, start=start, chunk_size=chunk_size)
+    ones = torch.ones_like(anchor)
+    spec = FusedLossSpec(
+        anchor_logprobs=anchor,
+        advantages=-ones,
+        response_mask=ones,
+        global_tokens=torch.tensor(1.0),
+    )
+    out = fused_policy_loss(model, tokens, spec, temperature=T, start=start, chunk_size=chunk_size)
+    return out.loss, out.logprobs
+
+
 def run_variant(args) -> dict:
     torch.manual_seed(0)
     model, tokens = _build(args)
 
     def step():
+        """(the scalar to backpropagate, the logprobs)"""
         if args.variant == "naive":
-            return _naive(model, tokens, 0.7, 1)
-        return _chunked(model, tokens, 0.7, 1, args.chunk_size)
+            lp = _naive(model, tokens, 0.7, 1)
+        elif args.variant == "chunked":
+            lp = _chunked(model, tokens, 0.7, 1, args.chunk_size)
+        else:
+            return _fused(model, tokens, 0.7, 1, args.chunk_size)
+        return lp.sum(), lp
 
     # warm-up on a short batch so that one-off allocations are not counted
     step_tokens = tokens
     tokens = tokens[:, :8]
-    step().sum().backward()
+    step()[0].backward()
     tokens = step_tokens
     model.zero_grad(set_to_none=False)
 
@@ -93,8 +121,8 @@ def run_variant(args) -> dict:
     t0 = time.perf_counter()
     with tracker:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            lp = step()
-        lp.sum().backward()
+            loss, lp = step()
+        loss.backward()
     elapsed = time.perf_counter() - t0
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
     return {
@@ -119,7 +147,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--variant", choices=["naive", "chunked"], help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.seq is None:
         args.seq = 128 if args.quick else 1024
@@ -131,7 +159,7 @@ def main() -> None:
         return
 
     results = {}
-    for variant in ("naive", "chunked"):
+    for variant in VARIANTS:
         cmd = [
             sys.executable,
             __file__,
@@ -150,9 +178,11 @@ def main() -> None:
         ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results[variant] = json.loads(out.strip().splitlines()[-1])
-    n, c = results["naive"], results["chunked"]
+    n, c, f = results["naive"], results["chunked"], results["fused"]
     lp_diff = max(abs(a - b) for a, b in zip(n["logprobs"], c["logprobs"]))
     g_diff = max(abs(a - b) for a, b in zip(n["grad"], c["grad"]))
+    f_lp_diff = max(abs(a - b) for a, b in zip(n["logprobs"], f["logprobs"]))
+    f_g_diff = max(abs(a - b) for a, b in zip(n["grad"], f["grad"]))
     logits_mib = args.batch * args.seq * args.vocab * 4 / 2**20
     print(
         f"B={args.batch} S={args.seq} V={args.vocab} D={args.dim} chunk_size={args.chunk_size}  "
@@ -172,6 +202,11 @@ def main() -> None:
         f"peak tensor memory saved: {n['peak_tensor_mib'] - c['peak_tensor_mib']:.0f} MiB "
         f"({n['peak_tensor_mib'] / max(c['peak_tensor_mib'], 1e-9):.1f}x less); "
         f"max |diff| logprobs {lp_diff:.1e}, grads {g_diff:.1e}"
+    )
+    print(
+        f"fused vs naive: peak tensor memory ratio {f['peak_tensor_mib'] / n['peak_tensor_mib']:.3f}"
+        f", fwd+bwd time ratio {f['time_s'] / n['time_s']:.2f}; max |diff| logprobs "
+        f"{f_lp_diff:.1e}, grads {f_g_diff:.1e}"
     )
 
 

@@ -13,8 +13,8 @@ in one run (both sides interleaved, so that a busy machine slows both alike).
                transformers implementation (Qwen3ForCausalLM, full [B, S, V] logits,
                log_softmax + gather, the same clipped loss written out), same weights, batch,
                optimizer (torch.optim.AdamW) and torch threads. A second row times the same
-               update with ``models.fused_policy_loss`` (lm_head and loss fused, no recompute;
-               goal >= 1x), and a third compares the peak bytes of the tensors forward +
+               update with ``models.fused_policy_loss`` (lm_head and loss fused, no recompute,
+               chunks of FUSED_CHUNK_SIZE tokens; goal >= 1x), and a third compares the peak bytes of the tensors forward +
                backward create, fused vs transformers (goal <= 1/3).
 
     python benchmarks/perf.py --quick       # seconds
@@ -195,6 +195,10 @@ def hf_ppo_loss(logp, old, adv, mask, eps=0.2) -> torch.Tensor:
     return (per_token * mask).sum() / mask.sum()
 
 
+# tokens per lm_head chunk of the fused side: two [chunk, V] float32 buffers live at a time
+FUSED_CHUNK_SIZE = 256
+
+
 class _NoStep:
     """An optimizer's ``zero_grad`` without its ``step``: a step's forward and backward alone."""
 
@@ -212,6 +216,7 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
     import engine_throughput as et
 
     from minippo.models import FusedLossSpec, fused_policy_loss, token_logprobs
+    from minippo.models.logprobs import DEFAULT_CHUNK_SIZE
     from minippo.rl import policy_loss
 
     vocab, dim, layers = (8_000, 128, 2) if quick else (32_000, 256, 4)
@@ -240,11 +245,17 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
         opt.step()
         return float(loss.detach())
 
-    def step_fused(opt):
+    def step_fused(opt, chunk_size: int = FUSED_CHUNK_SIZE):
         opt.zero_grad(set_to_none=True)
         spec = FusedLossSpec(anchor_logprobs=old, advantages=b["adv"], response_mask=b["resp"])
         out = fused_policy_loss(
-            fused, b["ids"], spec, attention_mask=b["attn"], position_ids=b["pos"], start=P
+            fused,
+            b["ids"],
+            spec,
+            attention_mask=b["attn"],
+            position_ids=b["pos"],
+            start=P,
+            chunk_size=chunk_size,
         )
         out.loss.backward()
         opt.step()
@@ -288,6 +299,11 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
             fn(_NoStep(opt))
         peak[name] = tracker.peak.get("cpu", 0) / 2**20
         opt.zero_grad(set_to_none=True)
+    tracker = TensorMemoryTracker()
+    with tracker:
+        step_fused(_NoStep(opt_fused), chunk_size=DEFAULT_CHUNK_SIZE)
+    peak["fused_default"] = tracker.peak.get("cpu", 0) / 2**20
+    opt_fused.zero_grad(set_to_none=True)
     tokens = int(b["attn"].sum())
     ours_tps = tokens / statistics.median(t_ours)
     hf_tps = tokens / statistics.median(t_hf)
@@ -302,7 +318,8 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
     )
     print(
         f"peak tensor memory of forward + backward (MiB): HF {peak['hf']:.1f}, ours {peak['ours']:.1f}, "
-        f"fused {peak['fused']:.1f}"
+        f"fused {peak['fused']:.1f} (chunk_size {FUSED_CHUNK_SIZE}; "
+        f"{peak['fused_default']:.1f} at the default {DEFAULT_CHUNK_SIZE})"
     )
     return [
         ["PPO update tokens/s", f"{ours_tps:.0f}", f"{hf_tps:.0f}", ours_tps / hf_tps, "—"],

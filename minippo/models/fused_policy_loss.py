@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from minippo.rl.aggregation import aggregate
 from minippo.rl.functional import LOG_RATIO_CLAMP
@@ -171,7 +172,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
             hc, tc = h[sl], targets[sl]
             # the F.linear of lm_head (no bias); the chunk holds two [n, V] float32 tensors, z and
             # p (in-place ops, and the entropy's row dots as a batched matmul, make no third)
-            z = (hc @ weight.t()).float()
+            z = F.linear(hc, weight).float()
             z = z.div_(temperature)
             lse = torch.logsumexp(z, dim=-1)
             lp = z.gather(-1, tc[:, None]).squeeze(-1) - lse

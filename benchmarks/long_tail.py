@@ -8,13 +8,15 @@ one per step).
 
 Response lengths are controlled, not sampled: there are no stop ids, and a thin wrapper around the
 engine (:class:`LengthTableEngine`) rewrites each request's ``max_new_tokens`` from a fixed table
-of lengths keyed by (group index, sample j), read from the queue's request ids
-(``g{index}-n{j}-s{step}``). The table draws lognormal lengths whose p99 / p50 is 9 (median
+of lengths keyed by (group index, sample j, restart count), read from the queue's request ids
+(``g{index}-n{j}-a{restarts}-s{step}``). The table draws lognormal lengths whose p99 / p50 is 9 (median
 ``--median`` tokens, capped at 24 medians). A request that continues a carried sample asks only
 for the rest (its prompt is longer than the group's prompt by the tokens already generated), so
 every trained sample ends exactly at its drawn length, which the script checks. A sample that the
-staleness bound restarts keeps its length (the table has no attempt number): a long response is
-drawn again as long.
+staleness bound restarts is a new response (the queue gives it a new seed), so by default its
+length is drawn again (``--restarts redraw``); ``--restarts keep`` gives it the same length, the
+worst case: a response longer than the bound allows never finishes and its group holds a slot
+for good.
 
 Cost unit: engine decode steps (``TorchEngine.stats()["decode_steps"]``) per trained sample. All
 in-flight requests decode in one wave (``max_batch_size`` holds them all); on a GPU a decode step
@@ -62,23 +64,25 @@ except ImportError:  # imported from the repository root (tests)
 
 TAIL_RATIO = 9.0  # p99 / p50 of the length distribution (the spec: 8-10)
 Z99 = NormalDist().inv_cdf(0.99)
-_REQUEST_ID = re.compile(r"g(\d+)-n(\d+)-s(\d+)")
+_REQUEST_ID = re.compile(r"g(\d+)-n(\d+)-a(\d+)-s(\d+)")
 
 
 class LengthTable:
-    """Response lengths keyed by (group index, sample j): lognormal with median ``median`` and
-    p99 / p50 = ``TAIL_RATIO``, rounded, between 1 and ``cap``; each key draws from its own
-    ``random.Random`` seeded by ``(seed, group, j)``, so a length never depends on which keys
-    were asked before."""
+    """Response lengths keyed by (group index, sample j, restart count): lognormal with median
+    ``median`` and p99 / p50 = ``TAIL_RATIO``, rounded, between 1 and ``cap``; each key draws
+    from its own ``random.Random`` seeded by ``(seed, group, j, attempt)``, so a length never
+    depends on which keys were asked before. ``redraw=False``: the restart count is ignored."""
 
-    def __init__(self, median: float, cap: int, seed: int) -> None:
+    def __init__(self, median: float, cap: int, seed: int, redraw: bool = True) -> None:
         self.mu = math.log(median)
         self.sigma = math.log(TAIL_RATIO) / Z99
         self.cap = cap
         self.seed = seed
+        self.redraw = redraw
 
-    def __call__(self, group: int, j: int) -> int:
-        draw = random.Random(f"{self.seed}:{group}:{j}").lognormvariate(self.mu, self.sigma)
+    def __call__(self, group: int, j: int, attempt: int) -> int:
+        key = f"{self.seed}:{group}:{j}" + (f":{attempt}" if self.redraw else "")
+        draw = random.Random(key).lognormvariate(self.mu, self.sigma)
         return max(1, min(self.cap, round(draw)))
 
 
@@ -116,17 +120,18 @@ class LengthTableEngine:
         m = _REQUEST_ID.fullmatch(r.request_id)
         if m is None:
             raise ValueError(
-                f"request id {r.request_id!r} is not the AlternatingQueue's g<index>-n<j>-s<step>"
+                f"request id {r.request_id!r} is not the AlternatingQueue's "
+                "g<index>-n<j>-a<restarts>-s<step>"
             )
-        group, j = int(m[1]), int(m[2])
+        group, j, attempt = int(m[1]), int(m[2]), int(m[3])
         if group not in self._prompt_len:
             self._prompt_len[group] = len(prompt_ids(group, self._vocab))
         done = len(r.prompt_ids) - self._prompt_len[group]
-        rest = self._lengths(group, j) - done
+        rest = self._lengths(group, j, attempt) - done
         if done < 0 or rest < 1:
             raise RuntimeError(
                 f"request {r.request_id}: {done} tokens already generated of a drawn length of "
-                f"{self._lengths(group, j)}; a finished sample must not be continued"
+                f"{self._lengths(group, j, attempt)}; a finished sample must not be continued"
             )
         return replace(r, params=replace(r.params, max_new_tokens=rest))
 
@@ -200,12 +205,12 @@ def run(
             out = queue.get_batch(step)
             dt = time.perf_counter() - t0
             for s in out.samples:
-                g, j = divmod(s.sample_index, samples)
                 c = s.completion
-                if len(c.token_ids) != lengths(g, j) or c.finish_reason != "length":
+                g, j, attempt = (int(x) for x in _REQUEST_ID.fullmatch(c.request_id).groups()[:3])
+                if len(c.token_ids) != lengths(g, j, attempt) or c.finish_reason != "length":
                     raise RuntimeError(
-                        f"sample g{g}-n{j}: {len(c.token_ids)} tokens ({c.finish_reason}), "
-                        f"drawn length {lengths(g, j)}"
+                        f"sample {c.request_id}: {len(c.token_ids)} tokens ({c.finish_reason}), "
+                        f"drawn length {lengths(g, j, attempt)}"
                     )
             if step < warmup:
                 continue
@@ -246,6 +251,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50, help="measured steps per run")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
+        "--restarts",
+        choices=("redraw", "keep"),
+        default="redraw",
+        help="length of a restarted sample: drawn again (a new response) or kept (worst case)",
+    )
+    ap.add_argument(
         "--oversample", type=float, nargs="+", default=[1.0, 1.25, 1.5], help="first = baseline"
     )
     args = ap.parse_args()
@@ -273,7 +284,7 @@ def main() -> None:
         seed=0,
     )
     for rep in range(args.repeats):
-        lengths = LengthTable(args.median, cap, seed=rep)
+        lengths = LengthTable(args.median, cap, seed=rep, redraw=args.restarts == "redraw")
         k = rep % len(args.oversample)
         for o in args.oversample[k:] + args.oversample[:k]:  # rotating order
             res = run(
@@ -301,11 +312,12 @@ def main() -> None:
         f"model: qwen3_tiny (fp32), TorchEngine in-process, torch threads 1; {args.groups} groups "
         f"x {args.samples} samples per batch, max_staleness 1; per run {args.warmup} warm-up "
         f"steps (none at oversample 1) + {args.steps} measured; {args.repeats} repeats, a new "
-        f"length table each, oversample order rotating; total {total_s:.0f} s"
+        f"length table each, oversample order rotating; restarted samples: {args.restarts} "
+        f"their length; total {total_s:.0f} s"
     )
     drawn = [n for r in results[base] for n in r.lengths]
     table = LengthTable(args.median, cap, seed=10_000)
-    big = [table(g, j) for g in range(5_000) for j in range(4)]
+    big = [table(g, j, 0) for g in range(5_000) for j in range(4)]
     for name, xs in (
         (f"the oversample {base:g} runs' trained samples (n={len(drawn)})", drawn),
         (f"a length table (n={len(big)})", big),

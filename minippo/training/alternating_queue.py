@@ -372,7 +372,7 @@ class AlternatingQueue(QueueSettings):
                     max_new_tokens=self.sampling.max_new_tokens - len(tokens),
                     seed=_continuation_seed(s.seed, s.attempt, len(tokens)),
                 )
-                rid = f"g{g.index}-n{j}-s{step}"
+                rid = f"g{g.index}-n{j}-a{s.attempt}-s{step}"  # group, sample, restarts, step
                 requests.append(GenerateRequest(g.prompt_ids + tokens, params, rid, str(g.index)))
                 owners[rid] = (g, s)
         return requests, owners

@@ -389,6 +389,7 @@ def test_output_dir_belongs_to_one_run(tmp_path):
         first.wait(timeout=30)
 
 
+@pytest.mark.slow  # 60 steps, ~25 s; the anchors and the resume inside a cycle run by default
 def test_tiny_cpu_sync_every_3_learns(tmp_path):
     """Weights reach the engine every 3 steps (versions count publishes): the run still learns
     (0.97 over the last 5 steps on the machine that wrote this; 0.99 with sync_every 1)."""

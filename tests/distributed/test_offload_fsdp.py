@@ -4,6 +4,7 @@ keeps every local shard, gradient and optimizer state (torch AdamW, torchao Adam
 and the Parameter objects the same, the storage leaves while offloaded, and training continues
 exactly as without the round trips."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
@@ -137,5 +138,6 @@ def _worker(rank, world):
         destroy_distributed()
 
 
+@pytest.mark.slow  # ~45 s; the single-process round trip and the recipe run test it by default
 def test_offload_fsdp_round_trip_and_exact_continuation(run_on_ranks):
     run_on_ranks(_worker)

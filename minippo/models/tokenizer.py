@@ -43,34 +43,68 @@ _TINY_CHARS = "0123456789" + " +-*=()" + "abcdefghijklmnopqrstuvwxyz" + "?.,:\n"
 
 
 class TinyTokenizer:
-    """Character-level tokenizer for toy tasks (arithmetic, short words); fits ``qwen3_tiny()``.
+    r"""Character-level tokenizer for toy tasks (arithmetic, short words); fits ``qwen3_tiny()``.
 
-    Vocabulary (51 ids):
+    Vocabulary (51 ids, plus ``extra_tokens``):
         0 ``<pad>``, 1 ``<bos>``, 2 ``<eos>``,
         3-12 digits ``0``-``9``, 13-19 `` +-*=()`` (space first),
-        20-45 lowercase ``a``-``z``, 46-50 ``?`` ``.`` ``,`` ``:`` and newline.
-    ``encode`` maps each character to one id (no BOS/EOS added) and rejects any other character.
+        20-45 lowercase ``a``-``z``, 46-50 ``?`` ``.`` ``,`` ``:`` and newline,
+        51... ``extra_tokens`` in their order.
+    ``encode`` maps each character to one id (no BOS/EOS added) and rejects any other character;
+    an extra token of several characters (``"\boxed{"``) is one id, like a BPE merge, taken
+    wherever it matches (the longest extra token first).
     Chat template: the message contents joined by newlines; with ``add_generation_prompt`` a final
     newline is appended (the answer follows it).
+
+    Args:
+        extra_tokens: tokens appended after id 50: new characters (``"}"``) or strings of several
+            characters (``"\boxed{"``, so that a randomly initialised model can sample the answer
+            format of math rewards as one token). The 51 ids above never change; ``vocab_size``
+            grows by ``len(extra_tokens)``.
     """
 
-    def __init__(self) -> None:
-        self.itos: list[str] = [*_TINY_SPECIALS, *_TINY_CHARS]
+    def __init__(self, extra_tokens: Sequence[str] = ()) -> None:
+        if isinstance(extra_tokens, str):
+            raise ValueError(
+                f"tokenizer.extra_tokens must be a list of strings, got the string {extra_tokens!r}; "
+                f"e.g. extra_tokens=['\\boxed{{', '}}']"
+            )
+        extra = [str(t) for t in extra_tokens]
+        base = {*_TINY_SPECIALS, *_TINY_CHARS}
+        for t in extra:
+            if not t or t in base or extra.count(t) > 1:
+                raise ValueError(
+                    f"tokenizer.extra_tokens must be distinct non-empty strings that are not "
+                    f"already in the vocabulary, got {t!r} in {extra!r}"
+                )
+        self.extra_tokens: tuple[str, ...] = tuple(extra)
+        self.itos: list[str] = [*_TINY_SPECIALS, *_TINY_CHARS, *extra]
         self.stoi: dict[str, int] = {s: i for i, s in enumerate(self.itos)}
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
         self.eos_ids = (self.eos_id,)
         self.vocab_size = len(self.itos)
+        self._merges = sorted((t for t in extra if len(t) > 1), key=len, reverse=True)
 
     def encode(self, text: str) -> list[int]:
-        """text -> one id per character."""
+        """text -> one id per character (one per multi-character extra token)."""
         ids = []
-        for pos, ch in enumerate(text):
+        pos = 0
+        while pos < len(text):
+            merged = next((t for t in self._merges if text.startswith(t, pos)), None)
+            if merged is not None:
+                ids.append(self.stoi[merged])
+                pos += len(merged)
+                continue
+            ch = text[pos]
             if ch not in self.stoi:
+                allowed = _TINY_CHARS + "".join(t for t in self.extra_tokens if len(t) == 1)
                 raise ValueError(
                     f"TinyTokenizer cannot encode character {ch!r} at position {pos} of {text!r}; "
-                    f"allowed characters: {_TINY_CHARS!r}"
+                    f"allowed characters: {allowed!r}"
+                    + (f", extra tokens: {list(self._merges)!r}" if self._merges else "")
                 )
             ids.append(self.stoi[ch])
+            pos += 1
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

@@ -1,5 +1,5 @@
 r"""The tiny math job (configs/tiny_math_cpu.yaml) through the real CLI: it validates, runs 3 steps
-with every sample scored by MathAnswerMatch, and (slow) learns to write the right sum in
+with every sample scored by MathAnswerMatch and validation logged, and (slow) learns to write the right sum in
 ``\boxed{}``."""
 
 import os
@@ -50,8 +50,15 @@ def test_validates_and_runs_three_steps(tmp_path):
         "progress_bar=false", "engine.in_process=true",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_jsonl(out / "metrics.jsonl")
+    logged = read_jsonl(out / "metrics.jsonl")
+    rows = [r for r in logged if "rollout/reward_mean" in r]
+    evals = [r for r in logged if "eval/pass@1" in r]
     assert [r["step"] for r in rows] == [0, 1, 2]
+    # validation before training and after the last step: the 16 questions x 8 samples
+    assert [r["step"] for r in evals] == [0, 3]
+    for r in evals:
+        assert r["eval/prompts"] == 16 and r["eval/samples"] == 128
+        assert 0.0 <= r["eval/pass@1"] <= r["eval/pass@8"] <= 1.0
     for r in rows:
         assert r["rollout/tokens"] > 0 and 0.0 <= r["rollout/reward_mean"] <= 1.0
         assert 1.0 <= r["rollout/response_len_mean"] <= 4.0
@@ -69,7 +76,12 @@ def test_tiny_math_cpu_learns(tmp_path):
         "progress_bar=false", timeout=1200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    logged = read_jsonl(tmp_path / "metrics.jsonl")
+    rows = [r for r in logged if "rollout/reward_mean" in r]
+    evals = [r for r in logged if "eval/pass@1" in r]
     assert rows[0]["rollout/reward_mean"] < 0.05
     last = [r["rollout/reward_mean"] for r in rows[-10:]]
     assert sum(last) / len(last) >= 0.8
+    # the validation curve: every 20 steps and before training; it rises with the reward
+    assert [r["step"] for r in evals] == list(range(0, 401, 20))
+    assert evals[0]["eval/pass@1"] < 0.05 and evals[-1]["eval/pass@1"] >= 0.8

@@ -15,7 +15,10 @@ in one run (both sides interleaved, so that a busy machine slows both alike).
                optimizer (torch.optim.AdamW) and torch threads. A second row times the same
                update with ``models.fused_policy_loss`` (lm_head and loss fused, no recompute,
                chunks of FUSED_CHUNK_SIZE tokens; goal >= 1x), and a third compares the peak bytes of the tensors forward +
-               backward create, fused vs transformers (goal <= 1/3).
+               backward create, fused vs transformers (goal <= 1/3). A fourth side is the fused
+               update with activation checkpointing per decoder block (the config's
+               ``activation_checkpointing: true``): its speed and peak bytes against the same
+               transformers side.
 
     python benchmarks/perf.py --quick       # seconds
     python benchmarks/perf.py               # the figures in docs/benchmarks.md
@@ -217,6 +220,7 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
 
     from minippo.models import FusedLossSpec, fused_policy_loss, token_logprobs
     from minippo.models.logprobs import DEFAULT_CHUNK_SIZE
+    from minippo.parallel import apply_activation_checkpointing
     from minippo.rl import policy_loss
 
     vocab, dim, layers = (8_000, 128, 2) if quick else (32_000, 256, 4)
@@ -224,9 +228,9 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
     iters = 2 if quick else 5
     hf, ours = et.twin_models(vocab=vocab, dim=dim, layers=layers, seed=0)
     fused = copy.deepcopy(ours)  # the same weights, its own optimizer
-    hf.train()
-    ours.train()
-    fused.train()
+    fused_ac = apply_activation_checkpointing(copy.deepcopy(ours))
+    for m in (hf, ours, fused, fused_ac):
+        m.train()
     b = ppo_batch(B, P, R, vocab)
     with torch.no_grad():
         old = token_logprobs(
@@ -245,11 +249,11 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
         opt.step()
         return float(loss.detach())
 
-    def step_fused(opt, chunk_size: int = FUSED_CHUNK_SIZE):
+    def step_fused(opt, chunk_size: int = FUSED_CHUNK_SIZE, model=fused):
         opt.zero_grad(set_to_none=True)
         spec = FusedLossSpec(anchor_logprobs=old, advantages=b["adv"], response_mask=b["resp"])
         out = fused_policy_loss(
-            fused,
+            model,
             b["ids"],
             spec,
             attention_mask=b["attn"],
@@ -271,9 +275,14 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-5)
     opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-5)
     opt_fused = torch.optim.AdamW(fused.parameters(), lr=1e-5)
+    opt_ac = torch.optim.AdamW(fused_ac.parameters(), lr=1e-5)
+
+    def step_ac(opt):
+        return step_fused(opt, model=fused_ac)
+
     l_ours, l_hf = step_ours(opt_ours), step_hf(opt_hf)  # warm-up; the first losses must agree
-    l_fused = step_fused(opt_fused)
-    t_ours, t_hf, t_fused = [], [], []
+    l_fused, l_ac = step_fused(opt_fused), step_ac(opt_ac)
+    t_ours, t_hf, t_fused, t_ac = [], [], [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         step_hf(opt_hf)
@@ -282,9 +291,12 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
         t2 = time.perf_counter()
         step_fused(opt_fused)
         t3 = time.perf_counter()
+        step_ac(opt_ac)
+        t4 = time.perf_counter()
         t_hf.append(t1 - t0)
         t_ours.append(t2 - t1)
         t_fused.append(t3 - t2)
+        t_ac.append(t4 - t3)
     # peak bytes of the tensors forward + backward create (activations, logits, gradients; the
     # weights and AdamW states exist before), op by op, one untimed pass per side without the
     # optimizer step (AdamW's temporaries are the same on every side and would hide the rest)
@@ -293,6 +305,7 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
         ("hf", step_hf, opt_hf),
         ("ours", step_ours, opt_ours),
         ("fused", step_fused, opt_fused),
+        ("fused_ac", step_ac, opt_ac),
     ):
         tracker = TensorMemoryTracker()
         with tracker:
@@ -308,18 +321,20 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
     ours_tps = tokens / statistics.median(t_ours)
     hf_tps = tokens / statistics.median(t_hf)
     fused_tps = tokens / statistics.median(t_fused)
+    ac_tps = tokens / statistics.median(t_ac)
     print(
         f"Qwen3 {layers} layers, hidden {dim}, vocab {vocab}, fp32; batch {B} x (prompt <= {P} "
         f"| response <= {R}), {tokens} real tokens; AdamW; {threads} thread(s); median of {iters}"
     )
     print(
         f"agreement: max |logprob diff| {diff:.1e}; first-step loss ours {l_ours:.6f} vs "
-        f"HF {l_hf:.6f}, fused {l_fused:.6f}"
+        f"HF {l_hf:.6f}, fused {l_fused:.6f}, fused + activation checkpointing {l_ac:.6f}"
     )
     print(
         f"peak tensor memory of forward + backward (MiB): HF {peak['hf']:.1f}, ours {peak['ours']:.1f}, "
         f"fused {peak['fused']:.1f} (chunk_size {FUSED_CHUNK_SIZE}; "
-        f"{peak['fused_default']:.1f} at the default {DEFAULT_CHUNK_SIZE})"
+        f"{peak['fused_default']:.1f} at the default {DEFAULT_CHUNK_SIZE}), fused + activation "
+        f"checkpointing {peak['fused_ac']:.1f}"
     )
     return [
         ["PPO update tokens/s", f"{ours_tps:.0f}", f"{hf_tps:.0f}", ours_tps / hf_tps, "—"],
@@ -335,6 +350,20 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
             f"{peak['fused']:.1f}",
             f"{peak['hf']:.1f}",
             peak["fused"] / peak["hf"],
+            "<= 0.33",
+        ],
+        [
+            "PPO update tokens/s, fused loss + activation checkpointing",
+            f"{ac_tps:.0f}",
+            f"{hf_tps:.0f}",
+            ac_tps / hf_tps,
+            ">= 1",
+        ],
+        [
+            "PPO fwd+bwd peak tensor MiB, fused loss + activation checkpointing",
+            f"{peak['fused_ac']:.1f}",
+            f"{peak['hf']:.1f}",
+            peak["fused_ac"] / peak["hf"],
             "<= 0.33",
         ],
     ]

@@ -16,6 +16,7 @@ regrouping such a sum changes it by at most 2n·u·G.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -32,6 +33,8 @@ from minippo.models import (
 )
 from minippo.models.fused_policy_loss import fused_policy_loss_from_hidden
 from minippo.models.logprobs import logprobs_from_hidden
+from minippo.parallel import apply_activation_checkpointing
+from minippo.parallel.activation_checkpointing import is_activation_checkpointed
 from tests.helpers import fixed_rollout_batch
 
 AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -252,3 +255,24 @@ def test_bad_shapes_name_the_input(setup):
     bad = FusedLossSpec(**{**spec.__dict__, "kl_estimator": "k9"})
     with pytest.raises(ValueError, match="unknown KL estimator"):
         fused_policy_loss(model, batch.input_ids, bad, start=batch.prompt_len, **kw)
+
+
+def test_activation_checkpointing_changes_nothing(setup):
+    """``ppo.fused_loss`` with ``activation_checkpointing: true`` (the pair that meets both the speed
+    and the memory goal, docs/benchmarks.md): each block's forward is recomputed by the same ops on
+    the same inputs, so the loss and every gradient are the same to the bit."""
+    model, batch, kw, x = setup
+    spec = _spec(x, AGG[0], None, KL[-1])
+    score = dict(start=batch.prompt_len, chunk_size=7, **kw)
+    out = fused_policy_loss(model, batch.input_ids, spec, **score)
+    out.loss.backward()
+    ref = _grads(model)
+    ac = apply_activation_checkpointing(copy.deepcopy(model))
+    assert all(is_activation_checkpointed(block) for block in ac.layers)
+    out_ac = fused_policy_loss(ac, batch.input_ids, spec, **score)
+    out_ac.loss.backward()
+    grads = _grads(ac)
+    assert out_ac.loss.item() == out.loss.item()
+    assert set(grads) == set(ref)
+    for name, g in ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=name)

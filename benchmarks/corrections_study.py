@@ -7,21 +7,30 @@ nothing of the training loop is duplicated here; this script only sets overrides
 
 Axes:
     staleness    rollout.max_staleness (0 = the synchronous loop, where only ``none`` runs)
+    regime       bound: the overlapped loop, where batches sit at the staleness bound;
+                 partial: the colocated ``alternate`` schedule with rollout.oversample 1.5 and
+                 partial rollouts, where a response carried over a publish mixes versions
     method       none (sync only), rollout_logprobs, tis, keep_old_actor, ewma (reset_below 0.8),
-                 ewma_noreset (reset_below 1e-9: a reset needs a retained fraction of exactly 0,
-                 i.e. it never fires), loglinear_prox
+                 ewma_guard (the same with reset_guard: true), ewma_noreset (reset_below 1e-9: a
+                 reset needs a retained fraction of exactly 0, i.e. it never fires),
+                 loglinear_prox
     discrepancy  fp32: the engine computes in fp32 like the trainer (they agree to ~1e-6);
                  bf16: the engine computes in bfloat16 (engine.dtype=bf16: weights,
                  activations and KV cache; sampling in fp32 from the bf16 logits)
     seed         the run's seed (model init, prompts, sampling)
 
-Per cell (mean over seeds): final reward (mean of the last 5 steps), steps until the 5-step
-trailing mean reward reaches 80% of the synchronous baseline's final reward, collapses, mean
-retained fraction, PPO clip fraction, EWMA resets, mean |a - mu|, the measured staleness
-histogram (from each step's rollout/staleness_*), wall time, bytes held by the correction, peak RSS.
+Per cell (mean over seeds): final reward (mean of the last ``--smooth`` steps, with a 95%
+Student-t interval over the seeds), steps until the trailing mean reward reaches 80% of the
+synchronous baseline's final reward, collapses, mean retained fraction, PPO clip fraction, EWMA
+resets, mean |a - mu|, the measured staleness histogram (from each step's rollout/staleness_*),
+the fraction of samples whose tokens span several versions, wall time, bytes held by the
+correction, peak RSS. The synchronous baseline's per-step clip fraction and approximate KL
+(median and 90th percentile) are printed as the calibration table.
 
     python benchmarks/corrections_study.py --quick                  # 2 short runs, seconds
     python benchmarks/corrections_study.py --staleness 0 4 --seeds 3 --jobs 2 --write-docs
+    python benchmarks/corrections_study.py --config tiny_math_cpu --steps 400 --smooth 10 \
+        --staleness 0 4 --regime bound partial --seeds 5 --jobs 2 --set eval=null
 """
 
 from __future__ import annotations
@@ -55,6 +64,12 @@ METHODS: dict[str, list[str]] = {
     "tis": ["~correction", f"+correction._component_={C}TIS"],
     "keep_old_actor": ["~correction", f"+correction._component_={C}KeepOldActor"],
     "ewma": ["~correction", f"+correction._component_={C}EWMA", "+correction.reset_below=0.8"],
+    "ewma_guard": [
+        "~correction",
+        f"+correction._component_={C}EWMA",
+        "+correction.reset_below=0.8",
+        "+correction.reset_guard=true",
+    ],
     "ewma_noreset": [
         "~correction",
         f"+correction._component_={C}EWMA",
@@ -66,7 +81,17 @@ DISCREPANCY: dict[str, list[str]] = {
     "fp32": [],
     "bf16": ["engine.dtype=bf16"],
 }
-SMOOTH = 5  # steps of the trailing mean used for "steps to 80%" and collapse detection
+REGIMES: dict[str, list[str]] = {
+    "bound": [],
+    "partial": [
+        "rollout.mode=alternate",
+        "rollout.oversample=1.5",
+        "rollout.partial_rollout=true",
+    ],
+}
+SMOOTH = 5  # default steps of the trailing mean ("final reward", "steps to 80%", collapses)
+# two-sided 95% Student-t quantiles by degrees of freedom (n seeds - 1); 1.96 beyond
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 @dataclass(frozen=True)
@@ -74,21 +99,34 @@ class Cell:
     discrepancy: str
     staleness: int
     method: str
+    regime: str = "bound"
 
     @property
     def name(self) -> str:
-        return f"{self.discrepancy}_s{self.staleness}_{self.method}"
+        tail = "" if self.regime == "bound" else f"_{self.regime}"
+        return f"{self.discrepancy}_s{self.staleness}_{self.method}{tail}"
+
+    @property
+    def label(self) -> str:
+        return self.method if self.regime == "bound" else f"{self.method} ({self.regime})"
 
 
-def cells(staleness: list[int], methods: list[str], discrepancies: list[str]) -> list[Cell]:
-    """The grid: staleness 0 runs only ``none`` (the synchronous baseline), async staleness runs
-    every other method (``none`` is refused for an async run with a critic)."""
+def cells(
+    staleness: list[int],
+    methods: list[str],
+    discrepancies: list[str],
+    regimes: list[str] | tuple[str, ...] = ("bound",),
+) -> list[Cell]:
+    """The grid: staleness 0 runs only ``none`` (the synchronous baseline, once), async staleness
+    runs every other method in every regime (``none`` is refused for an async run with a
+    critic)."""
     out = []
     for d in discrepancies:
         for s in staleness:
-            for m in methods:
-                if (s == 0) == (m == "none"):
-                    out.append(Cell(d, s, m))
+            for reg in regimes if s > 0 else ("bound",):
+                for m in methods:
+                    if (s == 0) == (m == "none"):
+                        out.append(Cell(d, s, m, reg))
     return out
 
 
@@ -99,30 +137,32 @@ def overrides(cell: Cell, seed: int, steps: int, extra: list[str]) -> list[str]:
         f"rollout.max_staleness={cell.staleness}",
         *METHODS[cell.method],
         *DISCREPANCY[cell.discrepancy],
+        *REGIMES[cell.regime],
         *extra,
     ]
 
 
 # ------------------------------------------------------------------------------------ analysis
-def trailing_mean(xs: list[float], k: int = SMOOTH) -> list[float]:
+def trailing_mean(xs: list[float], k: int) -> list[float]:
     return [statistics.fmean(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
 
 
-def steps_to(rewards: list[float], threshold: float) -> int | None:
-    """First step whose trailing mean reward reaches ``threshold`` (None if never)."""
-    for i, r in enumerate(trailing_mean(rewards)):
+def steps_to(rewards: list[float], threshold: float, smooth: int) -> int | None:
+    """First step whose ``smooth``-step trailing mean reward reaches ``threshold`` (None if
+    never)."""
+    for i, r in enumerate(trailing_mean(rewards, smooth)):
         if r >= threshold:
             return i
     return None
 
 
-def collapsed(run: RecipeRun, *, floor: float = 0.3, drop: float = 0.5) -> bool:
+def collapsed(run: RecipeRun, smooth: int, *, floor: float = 0.3, drop: float = 0.5) -> bool:
     """A failed run, or a trailing-mean reward that falls below ``drop`` x its running maximum
     after that maximum exceeded ``floor``."""
     if run.returncode != 0:
         return True
     best = 0.0
-    for r in trailing_mean(run.series("rollout/reward_mean")):
+    for r in trailing_mean(run.series("rollout/reward_mean"), smooth):
         if best >= floor and r < drop * best:
             return True
         best = max(best, r)
@@ -145,11 +185,18 @@ def mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else math.nan
 
 
-def summarize(cell: Cell, runs: list[RecipeRun], reference: float) -> dict:
+def ci95(xs: list[float]) -> float:
+    """Half-width of the 95% Student-t interval of the mean of ``xs`` (0 for fewer than 2)."""
+    if len(xs) < 2:
+        return 0.0
+    return T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def summarize(cell: Cell, runs: list[RecipeRun], reference: float, smooth: int) -> dict:
     """The per-cell figures (means over seeds) of the table."""
     ok = [r for r in runs if r.returncode == 0 and r.metrics]
-    final = [mean(r.series("rollout/reward_mean")[-SMOOTH:]) for r in ok]
-    reach = [steps_to(r.series("rollout/reward_mean"), 0.8 * reference) for r in ok]
+    final = [mean(r.series("rollout/reward_mean")[-smooth:]) for r in ok]
+    reach = [steps_to(r.series("rollout/reward_mean"), 0.8 * reference, smooth) for r in ok]
     reached = [s for s in reach if s is not None]
     hist: Counter = Counter()
     uniform = True
@@ -171,13 +218,22 @@ def summarize(cell: Cell, runs: list[RecipeRun], reference: float) -> dict:
         "discrepancy": cell.discrepancy,
         "staleness": cell.staleness,
         "method": cell.method,
+        "regime": cell.regime,
         "seeds": len(runs),
         "failed": len(runs) - len(ok),
         "final_reward": mean(final),
         "final_reward_sd": statistics.stdev(final) if len(final) > 1 else 0.0,
+        "final_reward_ci95": ci95(final),
+        "multi_version": mean(
+            [
+                mean(r.series("rollout/multi_version_fraction"))
+                for r in ok
+                if r.series("rollout/multi_version_fraction")
+            ]
+        ),
         "steps_to_80": mean([float(s) for s in reached]),
         "reached_80": len(reached),
-        "collapses": sum(collapsed(r) for r in runs),
+        "collapses": sum(collapsed(r, smooth) for r in runs),
         "retained": mean([mean(r.series("correction/retained_fraction")) for r in ok]),
         "retained_min": min(
             (min(r.series("correction/retained_fraction"), default=1.0) for r in ok), default=1.0
@@ -204,6 +260,7 @@ def table(rows: list[dict]) -> str:
         "staleness",
         "method",
         "final reward",
+        "95% CI",
         "steps to 80% (reached)",
         "collapses",
         "retained",
@@ -211,6 +268,7 @@ def table(rows: list[dict]) -> str:
         "EWMA resets",
         "mean |a-μ|",
         "measured staleness (value:steps)",
+        "mixed-version samples",
         "wall s/run",
         "correction bytes",
         "peak RSS MiB",
@@ -221,8 +279,9 @@ def table(rows: list[dict]) -> str:
         body.append(
             [
                 r["staleness"],
-                r["method"],
+                r["method"] if r["regime"] == "bound" else f"{r['method']} ({r['regime']})",
                 f"{r['final_reward']:.3f} ± {r['final_reward_sd']:.3f}",
+                f"± {r['final_reward_ci95']:.3f}",
                 f"{steps} ({r['reached_80']}/{r['seeds'] - r['failed']})",
                 f"{r['collapses']}/{r['seeds']}",
                 f"{r['retained']:.3f}",
@@ -230,6 +289,7 @@ def table(rows: list[dict]) -> str:
                 f"{r['ewma_resets']:.1f}" if r["method"].startswith("ewma") else "—",
                 f"{r['abs_diff']:.4f}",
                 hist_text(r["staleness_hist"]) + ("" if r["staleness_uniform"] else " (mixed)"),
+                "—" if math.isnan(r["multi_version"]) else f"{r['multi_version']:.3f}",
                 f"{r['wall_s']:.0f}",
                 f"{r['correction_bytes']:,.0f}",
                 f"{r['maxrss_mib']:.0f}",
@@ -238,8 +298,49 @@ def table(rows: list[dict]) -> str:
     return markdown_table(headers, body)
 
 
+def quantile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (linear interpolation between order statistics)."""
+    if not xs:
+        return math.nan
+    ys = sorted(xs)
+    pos = q * (len(ys) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ys) - 1)
+    return ys[lo] + (pos - lo) * (ys[hi] - ys[lo])
+
+
+def calibration(runs: list[RecipeRun]) -> list[list]:
+    """Per-optimizer-step PPO statistics of the synchronous baseline, pooled over seeds and steps:
+    the figures to compare with the clip fractions and approximate KLs of LLM runs."""
+    ok = [r for r in runs if r.returncode == 0 and r.metrics]
+    clip = [
+        a + b
+        for r in ok
+        for a, b in zip(r.series("train/clip_frac_low"), r.series("train/clip_frac_high"))
+    ]
+    rows = []
+    for name, xs in (
+        ("clip fraction", clip),
+        ("approx KL (k3, nats/token)", [x for r in ok for x in r.series("train/approx_kl")]),
+    ):
+        rows.append(
+            [
+                name,
+                f"{quantile(xs, 0.1):.4f}",
+                f"{quantile(xs, 0.5):.4f}",
+                f"{quantile(xs, 0.9):.4f}",
+            ]
+        )
+    return rows
+
+
 # ------------------------------------------------------------------------------------ plots
-def plot(results: dict[Cell, list[RecipeRun]], out_dir: Path, write_docs: bool) -> list[Path]:
+def plot(
+    results: dict[Cell, list[RecipeRun]], out_dir: Path, write_docs: bool, smooth: int
+) -> list[Path]:
+    """Per engine: the reward curves (one panel per staleness), the seed's diagnostics over
+    training (retained fraction and PPO clip fraction, one row of panels per staleness) and the
+    EWMA retention before each reset decision."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -252,33 +353,47 @@ def plot(results: dict[Cell, list[RecipeRun]], out_dir: Path, write_docs: bool) 
         sync = [r for c, rs in mine.items() if c.staleness == 0 for r in rs if r.metrics]
         if not stal:
             continue
+        order = sorted(mine, key=lambda c: (c.regime, c.method))
         fig, axes = plt.subplots(1, len(stal), figsize=(5 * len(stal), 3.6), squeeze=False)
-        for ax, s in zip(axes[0], stal):
-            for c in sorted((c for c in mine if c.staleness == s), key=lambda c: c.method):
-                _curve(ax, mine[c], "rollout/reward_mean", c.method)
+        for ax, st in zip(axes[0], stal):
+            for c in (c for c in order if c.staleness == st):
+                _curve(ax, mine[c], "rollout/reward_mean", c.label, smooth)
             if sync:
-                _curve(ax, sync, "rollout/reward_mean", "none (sync)", color="k", ls="--")
-            ax.set_title(f"max_staleness {s}, engine {disc}")
+                _curve(ax, sync, "rollout/reward_mean", "none (sync)", smooth, color="k", ls="--")
+            ax.set_title(f"max_staleness {st}, engine {disc}")
             ax.set_xlabel("step")
-            ax.set_ylabel(f"reward ({SMOOTH}-step mean, mean of seeds)")
+            ax.set_ylabel(f"reward ({smooth}-step mean, mean of seeds)")
             ax.set_ylim(0, 1)
             ax.grid(alpha=0.3)
         axes[0][-1].legend(fontsize=7, loc="lower right")
         written += save_figure(fig, f"study_reward_{disc}.png", out_dir, write_docs)
         plt.close(fig)
 
-        ewma = [c for c in mine if c.method in ("ewma", "ewma_noreset")]
+        fig, axes = plt.subplots(len(stal), 2, figsize=(10, 3.2 * len(stal)), squeeze=False)
+        for row, st in zip(axes, stal):
+            for c in (c for c in order if c.staleness == st):
+                _curve(row[0], mine[c], "correction/retained_fraction", c.label, smooth)
+                _curve(row[1], mine[c], "train/clip_frac", c.label, smooth)
+            if sync:
+                _curve(row[1], sync, "train/clip_frac", "none (sync)", smooth, color="k", ls="--")
+            row[0].set_title(f"retained fraction, max_staleness {st}, engine {disc}")
+            row[1].set_title(f"PPO clip fraction, max_staleness {st}, engine {disc}")
+            for ax in row:
+                ax.set_xlabel("step")
+                ax.grid(alpha=0.3)
+        axes[0][1].legend(fontsize=7, loc="upper right")
+        written += save_figure(fig, f"study_diagnostics_{disc}.png", out_dir, write_docs)
+        plt.close(fig)
+
+        ewma = [c for c in order if c.method.startswith("ewma")]
         if ewma:
             es = sorted({c.staleness for c in ewma})
             fig, axes = plt.subplots(1, len(es), figsize=(5 * len(es), 3.4), squeeze=False)
-            for ax, s in zip(axes[0], es):
-                for c in ewma:
-                    if c.staleness != s:
-                        continue
-                    label = "with reset" if c.method == "ewma" else "without reset"
-                    _curve(ax, mine[c], "correction/ewma_retained_before_reset", label, smooth=1)
+            for ax, st in zip(axes[0], es):
+                for c in (c for c in ewma if c.staleness == st):
+                    _curve(ax, mine[c], "correction/ewma_retained_before_reset", c.label, 1)
                 ax.axhline(0.8, color="gray", lw=0.8, ls=":")
-                ax.set_title(f"EWMA, max_staleness {s}, engine {disc}")
+                ax.set_title(f"EWMA, max_staleness {st}, engine {disc}")
                 ax.set_xlabel("step")
                 ax.set_ylabel("retained fraction (before reset)")
                 ax.grid(alpha=0.3)
@@ -288,8 +403,19 @@ def plot(results: dict[Cell, list[RecipeRun]], out_dir: Path, write_docs: bool) 
     return written
 
 
-def _curve(ax, runs: list[RecipeRun], key: str, label: str, smooth: int = SMOOTH, **kw) -> None:
-    series = [trailing_mean(r.series(key), smooth) for r in runs if r.series(key)]
+def _series(run: RecipeRun, key: str) -> list[float]:
+    """A metric per step; ``train/clip_frac`` is the sum of the low and high clip fractions."""
+    if key == "train/clip_frac":
+        return [
+            a + b
+            for a, b in zip(run.series("train/clip_frac_low"), run.series("train/clip_frac_high"))
+        ]
+    return run.series(key)
+
+
+def _curve(ax, runs: list[RecipeRun], key: str, label: str, smooth: int, **kw) -> None:
+    """Mean over seeds of the trailing mean, with the seeds' range shaded."""
+    series = [trailing_mean(_series(r, key), smooth) for r in runs if _series(r, key)]
     if not series:
         return
     n = min(len(s) for s in series)
@@ -307,6 +433,11 @@ def main() -> None:
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 2, 4, 8])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--discrepancy", nargs="+", default=["bf16"], choices=list(DISCREPANCY))
+    p.add_argument("--regime", nargs="+", default=["bound"], choices=list(REGIMES))
+    p.add_argument("--config", default="tiny_cpu", help="the recipe config every run starts from")
+    p.add_argument(
+        "--smooth", type=int, default=SMOOTH, help="steps of the trailing mean (final reward, ...)"
+    )
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=60, help="total_steps of every run")
@@ -323,10 +454,10 @@ def main() -> None:
         if args.out == DEFAULT_OUT / "corrections_study":
             args.out = DEFAULT_OUT / "corrections_study_quick"
         args.write_docs = False  # quick runs never touch docs/
-    if args.steps < SMOOTH:
-        print(f"note: --steps {args.steps} < {SMOOTH}: trailing means cover every step so far")
+    if args.steps < args.smooth:
+        print(f"note: --steps {args.steps} < {args.smooth}: trailing means cover every step so far")
 
-    grid = cells(args.staleness, args.methods, args.discrepancy)
+    grid = cells(args.staleness, args.methods, args.discrepancy, args.regime)
     if not grid:
         sys.exit(f"empty grid: staleness {args.staleness} x methods {args.methods}")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
@@ -345,7 +476,7 @@ def main() -> None:
             data = json.loads(cached.read_text())
             if data["returncode"] == 0 and len(data["metrics"]) == args.steps:
                 return cell, RecipeRun(**{**data, "out_dir": Path(data["out_dir"])})
-        run = run_recipe(overrides(cell, seed, args.steps, extra), d)
+        run = run_recipe(overrides(cell, seed, args.steps, extra), d, config=args.config)
         cached.write_text(json.dumps({**run.__dict__, "out_dir": str(run.out_dir)}))
         status = "ok" if run.returncode == 0 else f"FAILED rc={run.returncode}"
         print(
@@ -366,7 +497,7 @@ def main() -> None:
     rows = []
     for disc in args.discrepancy:
         base = [
-            mean(r.series("rollout/reward_mean")[-SMOOTH:])
+            mean(r.series("rollout/reward_mean")[-args.smooth :])
             for c, rs in results.items()
             if c.discrepancy == disc and c.staleness == 0
             for r in rs
@@ -374,15 +505,23 @@ def main() -> None:
         ]
         # without a synchronous baseline in the grid, "80%" is of the best possible reward, 1.0
         reference = mean(base) if base else 1.0
-        mine = [summarize(c, results[c], reference) for c in grid if c.discrepancy == disc]
+        mine = [
+            summarize(c, results[c], reference, args.smooth) for c in grid if c.discrepancy == disc
+        ]
         rows += mine
         print(
             f"\n### engine {disc}: 80% threshold = 0.8 x {reference:.3f} "
             f"({'synchronous baseline final reward' if base else 'max reward'})"
         )
         print(table(mine))
+        sync = [
+            r for c, rs in results.items() if c.discrepancy == disc and c.staleness == 0 for r in rs
+        ]
+        if sync:
+            print(f"\ncalibration, engine {disc}: the synchronous baseline, per training step")
+            print(markdown_table(["statistic", "p10", "median", "p90"], calibration(sync)))
     (args.out / "summary.json").write_text(json.dumps(rows, indent=1))
-    for path in plot(results, args.out, args.write_docs):
+    for path in plot(results, args.out, args.write_docs, args.smooth):
         print(f"plot: {path}")
     failed = sum(r["failed"] for r in rows)
     if failed:

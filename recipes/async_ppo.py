@@ -91,8 +91,28 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
                     f"rollout.{key}={r[key]} needs rollout.mode=alternate (generation between "
                     f"training steps); set rollout.mode=alternate or rollout.{key}={value}"
                 )
-    every = OmegaConf.select(cfg, "eval.every_n_steps", default=None)
     sync_every = r.get("sync_every", 1)
+    if rollout_mode(cfg) == "alternate":
+        if sync_every > 1:
+            problems.append(
+                f"rollout.sync_every={sync_every} needs rollout.mode=overlap: alternate puts the "
+                "engine to sleep after every batch (its weights are released) and wakes it only "
+                "to take new weights; set rollout.sync_every=1 or rollout.mode=overlap"
+            )
+        if r.get("oversample", 1.0) > 1 and r.max_staleness == 0:
+            problems.append(
+                f"rollout.oversample={r.oversample} carries groups into the next step, and with "
+                "rollout.max_staleness=0 every carried token is too old: all of them would restart "
+                "each step; set rollout.max_staleness>=1 or rollout.oversample=1.0"
+            )
+    every = OmegaConf.select(cfg, "eval.every_n_steps", default=None)
+    if every is not None and cfg.total_steps % sync_every:
+        problems.append(
+            f"total_steps ({cfg.total_steps}) must be a multiple of rollout.sync_every "
+            f"({sync_every}) when eval is set: the final validation runs on the engines right "
+            "after the last publish; set total_steps="
+            f"{max(sync_every, cfg.total_steps // sync_every * sync_every)}"
+        )
     if every is not None and every % sync_every:
         problems.append(
             f"eval.every_n_steps ({every}) must be a multiple of rollout.sync_every ({sync_every}): "

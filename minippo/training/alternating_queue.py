@@ -102,6 +102,8 @@ class AlternatingQueue(QueueSettings):
                     (True for a GPU shared with the trainer; the tests may turn it off).
     """
 
+    MODE = "alternate"
+
     def __init__(
         self,
         engine: RolloutEngine,
@@ -282,7 +284,7 @@ class AlternatingQueue(QueueSettings):
     def state_dict(self) -> dict[str, Any]:
         """Resume position and the carried groups (their partial tokens included)."""
         return {
-            "mode": "alternate",
+            **self._settings_state(),
             "next_step": self._next_step,
             "groups_taken": self._groups_taken,
             "seed": self.seed,
@@ -296,11 +298,7 @@ class AlternatingQueue(QueueSettings):
         """Restore what ``state_dict`` saved; call before ``start``."""
         if self._started:
             raise RuntimeError("load_state_dict must be called before start()")
-        if state.get("mode") != "alternate":
-            raise ValueError(
-                "the checkpoint's rollout queue was saved with rollout.mode=overlap; resume with "
-                "the same rollout.mode"
-            )
+        self._check_settings(state)
         self._next_step = int(state["next_step"])
         self._groups_taken = int(state["groups_taken"])
         self.seed = int(state["seed"])

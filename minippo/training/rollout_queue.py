@@ -235,6 +235,33 @@ class QueueSettings:
         self.seed = int(seed)
         self._initial_version = initial_version
 
+    MODE: str  # rollout.mode of the subclass, saved with its state
+
+    def _settings_state(self) -> dict[str, Any]:
+        """The settings a saved queue state only makes sense with (part of ``state_dict``)."""
+        return {
+            "mode": self.MODE,
+            "sync_every": self.sync_every,
+            "samples_per_prompt": self.samples_per_prompt,
+        }
+
+    def _check_settings(self, state: Mapping[str, Any]) -> None:
+        """Refuse a saved state whose settings differ from this queue's: versions count publishes
+        (``rollout.sync_every``), and carried groups hold ``samples_per_prompt`` samples."""
+        saved_mode = state.get("mode", "overlap")
+        if saved_mode != self.MODE:
+            raise ValueError(
+                f"the checkpoint's rollout queue was saved with rollout.mode={saved_mode}; resume "
+                f"with the same rollout.mode (this run has {self.MODE})"
+            )
+        for key, ours in self._settings_state().items():
+            saved = state.get(key, ours)  # checkpoints written before the key was saved
+            if key != "mode" and saved != ours:
+                raise ValueError(
+                    f"the checkpoint was written with rollout.{key}={saved}, this run has "
+                    f"rollout.{key}={ours}: resume with rollout.{key}={saved}"
+                )
+
 
 class RolloutQueue(QueueSettings):
     """Feeds prompt groups to an engine from a background thread; hands out complete batches.
@@ -262,6 +289,8 @@ class RolloutQueue(QueueSettings):
         seed:               base of the per-request seeds.
         initial_version:    the version of the engine's weights at ``start`` (default: engine.version).
     """
+
+    MODE = "overlap"
 
     def __init__(
         self,
@@ -485,6 +514,7 @@ class RolloutQueue(QueueSettings):
             tokens += int(ahead.metrics["rollout/tokens"])
             gen_s += ahead.metrics["rollout/gen_time_s"]
         return {
+            **self._settings_state(),
             "next_step": self._next_step,
             "prompts_consumed": self._next_step * self.groups_per_batch,
             "seed": self.seed,
@@ -497,6 +527,7 @@ class RolloutQueue(QueueSettings):
         """Restore what ``state_dict`` saved; call before ``start``."""
         if self._thread is not None:
             raise RuntimeError("load_state_dict must be called before start()")
+        self._check_settings(state)
         if state["prompts_consumed"] != state["next_step"] * self.groups_per_batch:
             raise ValueError(
                 f"checkpoint consumed {state['prompts_consumed']} prompts in "

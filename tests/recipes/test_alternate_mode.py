@@ -95,6 +95,19 @@ def test_overlap_refuses_alternate_only_keys(tmp_path):
         assert "Traceback" not in proc.stderr
 
 
+def test_alternate_refuses_what_it_cannot_run():
+    """sync_every > 1 (the engine sleeps without its weights between publishes) and oversample
+    with max_staleness 0 (every carried group would restart): one line each, before anything."""
+    cases = {
+        "rollout.sync_every=2": "rollout.sync_every=2 needs rollout.mode=overlap",
+        "rollout.max_staleness=0": "set rollout.max_staleness>=1 or rollout.oversample=1.0",
+    }
+    for key, message in cases.items():
+        proc = cli("validate", "--config", "tiny_cpu", *ALTERNATE, key)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+
+
 def test_trainer_offload_trains_exactly_like_no_offload(tmp_path):
     """rollout.offload_trainer moves the actor's and critic's state to the host and back around
     every generation: the run is bit for bit the same, and the time is logged."""

@@ -39,3 +39,15 @@ def test_eval_every_must_follow_the_sync_cycle(tmp_path):
     proc = cli("validate", "--config", "tiny_cpu", "rollout.sync_every=3", EVAL)
     assert proc.returncode == 1
     assert "eval.every_n_steps (2) must be a multiple of rollout.sync_every (3)" in proc.stderr
+
+
+def test_final_validation_needs_a_whole_sync_cycle():
+    """The last validation runs right after the last publish: total_steps must end a cycle."""
+    from tests.recipes.test_async_ppo import cli
+
+    proc = cli("validate", "--config", "tiny_cpu", "rollout.sync_every=2", "total_steps=7", EVAL)
+    assert proc.returncode == 1
+    assert "total_steps (7) must be a multiple of rollout.sync_every (2) when eval is set" in (
+        proc.stderr
+    )
+    assert "total_steps=6" in proc.stderr and "Traceback" not in proc.stderr

@@ -194,3 +194,23 @@ def test_get_batch_needs_the_weights_of_its_step(engine):
 def test_oversample_below_one_is_refused(engine, bad):
     with pytest.raises(ValueError, match="oversample"):
         make_queue(engine, oversample=bad)
+
+
+def test_resume_refuses_other_queue_settings(engine):
+    """A saved queue state holds versions counted in publishes and carried groups of
+    samples_per_prompt samples: a run with another mode, sync_every or group size is refused
+    with the key to set, before anything is restored."""
+    queue = make_queue(engine)
+    queue.start()
+    run(queue, 1)
+    state = queue.state_dict()
+    assert (state["mode"], state["sync_every"], state["samples_per_prompt"]) == ("alternate", 1, 2)
+    overlap = RolloutQueue(engine, prompts(), groups_per_batch=4, samples_per_prompt=2)
+    with pytest.raises(ValueError, match=r"saved with rollout.mode=alternate; resume with"):
+        overlap.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"rollout.samples_per_prompt=2, this run has"):
+        make_queue(engine, samples_per_prompt=4).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"resume with rollout.sync_every=1"):
+        make_queue(engine, sync_every=2).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"saved with rollout.mode=overlap"):
+        make_queue(engine).load_state_dict({**overlap.state_dict(), "mode": "overlap"})

@@ -335,7 +335,8 @@ def test_resume_reproduces_the_uninterrupted_sequence():
     tokens = state.pop("tokens_total")  # the cumulative counters continue after a resume
     assert tokens == sum(int(full[s].batch.response_mask.sum()) for s in range(3))
     assert state.pop("gen_time_s") > 0
-    assert state == {"next_step": 2, "prompts_consumed": 4, "seed": 5}
+    settings = {"mode": "overlap", "sync_every": 1, "samples_per_prompt": 2}
+    assert state == {**settings, "next_step": 2, "prompts_consumed": 4, "seed": 5}
     assert ahead.step == 2 and torch.equal(ahead.batch.input_ids, full[2].batch.input_ids)
     state["batch_ahead"] = ahead
     state["tokens_total"] = tokens

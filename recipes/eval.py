@@ -131,7 +131,7 @@ def resolve_training_checkpoint(value: str) -> Path:
             f"{path} does not exist; give the checkpoint folder of an async_ppo run (its "
             "checkpoint.dir, e.g. /tmp/minippo/tiny_cpu/checkpoints) or one of its step_* folders"
         )
-    resolved = Checkpointer(path).resolve(str(path))
+    resolved = Checkpointer(path).resolve(str(path), key="training_checkpoint")
     assert resolved is not None
     return resolved
 

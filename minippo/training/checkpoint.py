@@ -351,11 +351,14 @@ class Checkpointer:
                 shutil.rmtree(p, ignore_errors=True)
 
     # ---------------------------------------------------------------- load
-    def resolve(self, resume_from: str | os.PathLike | None) -> Path | None:
+    def resolve(
+        self, resume_from: str | os.PathLike | None, key: str = "resume_from"
+    ) -> Path | None:
         """The checkpoint folder that ``resume_from`` names, or None for a fresh run.
 
         ``resume_from``: None / "" / "null" (fresh run), ``"latest"`` (what ``ckpt_dir/latest``
         points to), or a path: a ``step_*`` folder, or a checkpoint root with a ``latest`` file.
+        ``key``: the config key the value came from, named in the errors.
         """
         if resume_from is None or str(resume_from) in ("", "null", "None"):
             return None
@@ -373,8 +376,9 @@ class Checkpointer:
             root = root / (root / LATEST).read_text().strip()
         if not (root / "meta.json").is_file():
             raise FileNotFoundError(
-                f"resume_from={resume_from!s}: {root} is not a complete checkpoint (no meta.json); "
-                f"give a step_* folder (e.g. {self.ckpt_dir / step_dir_name(10)}) or 'latest'"
+                f"{key}={resume_from!s}: {root} is not a complete checkpoint (no meta.json); "
+                f"give a step_* folder (e.g. {self.ckpt_dir / step_dir_name(10)})"
+                + (" or 'latest'" if key == "resume_from" else " or the folder holding `latest`")
             )
         return root
 

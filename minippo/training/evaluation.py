@@ -221,6 +221,13 @@ def evaluate(
             bar.update(1)
     finally:
         bar.close()
+    if len(out) != len(requests):
+        missing = [r.request_id for r in requests if where[r.request_id] not in out]
+        raise RuntimeError(
+            f"eval: the engine returned no completion for {len(missing)} of {len(requests)} "
+            f"requests ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+            "every request must finish or be aborted"
+        )
     samples = [out[key] for key in sorted(out)]
     seconds = time.perf_counter() - t0
 

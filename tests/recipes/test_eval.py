@@ -200,6 +200,15 @@ def test_bad_inputs_are_one_line_each(tmp_path, res, capsys):
             "the actor's 'tok_embeddings.weight' is (51, 64), the configured model has (64, 64)",
         ),
         (["--config", "tiny_eval_cpu", "checkpoint_path=/nowhere"], "checkpoint_path=/nowhere"),
+        (
+            [
+                "--config",
+                "tiny_eval_cpu",
+                "checkpoint_path=null",
+                f"training_checkpoint={tmp_path}",
+            ],
+            f"training_checkpoint={tmp_path}: {tmp_path} is not a complete checkpoint",
+        ),
     ]
     for args, phrase in cases:
         code, err = validate(capsys, *args)

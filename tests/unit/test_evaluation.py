@@ -191,6 +191,25 @@ def test_bad_arguments_and_failing_rewards(engine, data, tok):
         run(engine, data, tok, reward_fn=nan_reward)
 
 
+class DropsOne:
+    """An engine that loses one completion (a request that never finishes nor aborts)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def stream(self, requests, **kw):
+        for i, c in enumerate(self.engine.stream(requests, **kw)):
+            if i != 3:
+                yield c
+
+
+def test_a_lost_completion_is_an_error_not_a_shifted_row(engine, data, tok):
+    """Rows are grouped by prompt from the completions that came back: a missing one must stop
+    the evaluation, not move another prompt's sample into its place."""
+    with pytest.raises(RuntimeError, match=r"no completion for 1 of 48 requests \(eval-"):
+        run(DropsOne(engine), data, tok)
+
+
 def test_samples_jsonl_round_trip(tmp_path, engine, data, tok):
     rows = gather_samples(list(reversed(run(engine, data, tok).samples)))  # one process: sorted
     path = write_samples(rows, tmp_path / "sub" / "samples.jsonl")

@@ -112,6 +112,10 @@ def test_bad_arguments_name_the_fix():
         boxed_arithmetic_task(tok, split="val")
     with pytest.raises(ValueError, match="needs holdout in"):
         boxed_arithmetic_task(tok, split="test")
+    with pytest.raises(ValueError, match="holds questions out only with split=train or split=test"):
+        boxed_arithmetic_task(tok, holdout=0.25)  # split=all would train on the test questions
+    with pytest.raises(ValueError, match="num_prompts must be >= 1 or null"):
+        boxed_arithmetic_task(tok, num_prompts=2.5)
     with pytest.raises(ValueError, match="leaves an empty test split"):
         boxed_arithmetic_task(tok, split="test", holdout=0.01, max_operand=1)
     with pytest.raises(ValueError, match=re.escape("only {a}, {op} and {b}")):

@@ -89,12 +89,17 @@ def boxed_arithmetic_task(
         raise ValueError(f"ops must be a non-empty string over '+-*', got {ops!r}; e.g. ops='+'")
     if not 0 <= min_operand <= max_operand:
         raise ValueError(f"need 0 <= min_operand ({min_operand}) <= max_operand ({max_operand})")
-    if num_prompts is not None and num_prompts < 1:
+    if num_prompts is not None and (not isinstance(num_prompts, int) or num_prompts < 1):
         raise ValueError(
             f"num_prompts must be >= 1 or null (each question once), got {num_prompts}"
         )
     if split not in SPLITS:
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    if split == "all" and holdout:
+        raise ValueError(
+            f"holdout={holdout} holds questions out only with split=train or split=test (split=all "
+            "uses every question); set split=train (and split=test to validate) or holdout=0.0"
+        )
     if split != "all" and not 0.0 < holdout < 1.0:
         raise ValueError(
             f"split={split!r} needs holdout in (0, 1) (the fraction of questions held out for "

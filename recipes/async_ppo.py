@@ -485,7 +485,8 @@ class AsyncPPORecipe:
         """Validation: sample ``eval.samples_per_prompt`` responses per ``eval.dataset`` prompt from
         the engines (they hold the actor's weights: right after a publish), score them with the
         run's reward, log ``eval/*`` at step ``steps_done``. Seeded requests, no global RNG, and
-        the queue generates nothing meanwhile: the run trains exactly as without it."""
+        the queue generates nothing meanwhile: with TorchEngine (or a deterministic SGLang engine,
+        whose sampler honours per-request seeds) the run trains exactly as without it."""
         cfg, r = self.cfg.eval, self.cfg.rollout
         sampling = SamplingParams(
             temperature=r.temperature if cfg.temperature is None else cfg.temperature,

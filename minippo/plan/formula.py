@@ -80,7 +80,7 @@ __all__ = [
 GiB = 1 << 30
 CUDA_CONTEXT_BYTES = 1 * GiB
 # What SGLang keeps on the GPU after release_memory_occupation (weights, KV cache and CUDA graphs
-# released): the review of its source (docs/sglang-review.md) gives no figure; its scheduler
+# released): the reading of its source (docs/sglang_backend.md) gives no figure; its scheduler
 # process keeps at least its own CUDA context, which is not counted in overlap mode either.
 ENGINE_AFTER_RELEASE_BYTES = 0
 ROLLOUT_MODES = ("alternate", "overlap")

@@ -3,7 +3,7 @@ of the trainer's allocator when both hold the GPU at once.
 
 SGLang sizes its KV pool as if the memory outside its static fraction were its own headroom (for
 its activations and sampling), and any error in its scheduler kills the rank
-(docs/sglang-review.md R2, R3). So, with an SGLang engine (``engine._component_`` ending in
+(docs/sglang_backend.md "Sharing a GPU with the trainer"). So, with an SGLang engine (``engine._component_`` ending in
 ``SGLangEngine``):
 
     rollout.mode=alternate   needs engine.memory_mode=sleep: only then does the engine release its
@@ -95,7 +95,7 @@ def shared_gpu_problems(
                 "rollout.mode=overlap"
                 + (" (the default when rollout.mode is absent)" if absent else "")
                 + " generates with SGLang on the trainer's GPU while it trains: the two compete "
-                "for memory and an engine OOM kills the rank (docs/sglang-review.md R3); set "
+                "for memory and an engine OOM kills the rank (docs/sglang_backend.md, 'Sharing a GPU'); set "
                 "rollout.mode=alternate and engine.memory_mode=sleep, or "
                 "rollout.share_gpu_with_engine=true to share the GPU anyway"
             ]
@@ -118,7 +118,7 @@ def trainer_memory_fraction(
     1 GiB allowance for the CUDA context and allocator slack) over the GPU's memory: the trainer
     gets what its plan says and no more, and what lies beyond the engine's static fraction and
     this cap stays free for the engine's own activations (SGLang's headroom,
-    docs/sglang-review.md R3). A trainer that needs more stops with torch's OutOfMemoryError in
+    docs/sglang_backend.md "Sharing a GPU"). A trainer that needs more stops with torch's OutOfMemoryError in
     its own process instead of taking memory the engine counts on.
 
     ``world_size``: the ranks the trainer is sharded over; ``gpu_mem_bytes``: the GPU's memory

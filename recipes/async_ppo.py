@@ -143,7 +143,7 @@ class AsyncPPORecipe:
        shared with the engine): it is generated now, carried-over groups continuing under the
        new weights, then the engine sleeps (``rollout.offload_trainer``: the trainer's state
        waits on the host meanwhile).
-    1. rewards: scored by ``reward`` in the queue's thread as samples arrive; the KL penalty
+    1. rewards: scored by ``reward`` as samples arrive (overlap: in the queue's thread); the KL penalty
        (``kl.mode: reward``) is subtracted per token in step 3.
     2. no-grad passes: reference logprobs (when ``kl.coef > 0``), critic values (GAE), and
        ``correction.prepare``: anchor logprobs, per-token IS weights and keep-mask, computed once
@@ -155,8 +155,9 @@ class AsyncPPORecipe:
        value loss; the first ``critic.warmup_steps`` steps train only the critic. A non-finite loss
        or gradient norm skips that optimizer step; ``max_consecutive_nonfinite`` in a row stop the
        run. ``correction.after_optimizer_step`` (EWMA) after each actor step.
-    5. publish: every rank gathers the full weights bucket by bucket and pushes them into its own
-       engine as version ``step + 1``; ``correction.on_weights_published`` (snapshots).
+    5. publish (every ``rollout.sync_every`` steps): every rank gathers the full weights bucket by
+       bucket and pushes them into its own engine as version ``(step + 1) // sync_every``;
+       ``correction.on_weights_published`` (snapshots).
     6. log (jsonl by default, tqdm bar) and, every ``checkpoint.every_n_steps``, an atomic DCP
        checkpoint that a run resumes exactly from (``resume_from: latest``).
 

@@ -24,6 +24,7 @@ from minippo import models, parallel, rl
 from minippo.config import canonical_dtype, instantiate, torch_dtype
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
+from minippo.plan import is_sglang, rollout_mode
 from minippo.rl.correction import FixedAnchors, build_correction
 from minippo.training import preflight
 from minippo.training.alternating_queue import AlternatingQueue
@@ -127,11 +128,6 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
     preflight.raise_problems(problems)
 
 
-def rollout_mode(cfg: DictConfig) -> str:
-    """``rollout.mode``: "alternate" (generate, then train, in turn) or "overlap" (default)."""
-    return cfg.rollout.get("mode", "overlap")
-
-
 class AsyncPPORecipe:
     """Asynchronous PPO (or critic-free GRPO) with an explicit behaviour-policy correction.
 
@@ -192,8 +188,7 @@ class AsyncPPORecipe:
             torch.set_num_threads(
                 cfg.cpu_threads or max(1, (os.cpu_count() or 2) // 2 // ranks_here)
             )
-        sglang = str(cfg.engine._component_).endswith("SGLangEngine")
-        if self.device.type == "cuda" and sglang and rollout_mode(cfg) == "overlap":
+        if self.device.type == "cuda" and is_sglang(cfg) and rollout_mode(cfg) == "overlap":
             # the engine generates on this GPU while training (rollout.share_gpu_with_engine,
             # refused unless the plan fits): the trainer's allocator gets what its plan says
             from minippo.plan import trainer_memory_fraction

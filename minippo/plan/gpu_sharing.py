@@ -31,7 +31,8 @@ from minippo.plan.formula import GiB
 __all__ = ["shared_gpu_problems", "trainer_memory_fraction"]
 
 
-def _is_sglang(cfg: DictConfig) -> bool:
+def is_sglang(cfg: DictConfig) -> bool:
+    """Whether ``engine._component_`` names the SGLang backend."""
     component = OmegaConf.select(cfg, "engine._component_", default=None)
     return isinstance(component, str) and component.endswith("SGLangEngine")
 
@@ -76,7 +77,7 @@ def shared_gpu_problems(
     line each naming the key and the fix. ``world_size``: the ranks the trainer is sharded over
     (1 plans the largest per-rank trainer); ``gpu_mem_gib``: one GPU's memory (None: 80 GiB, the
     plan's default; :func:`trainer_memory_fraction` checks again against the real GPU)."""
-    if not _is_sglang(cfg):
+    if not is_sglang(cfg):
         return []
     try:
         mode = rollout_mode(cfg)

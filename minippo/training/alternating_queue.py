@@ -44,7 +44,6 @@ from minippo.engine.protocol import (
     WeightBucket,
 )
 from minippo.training.rollout_queue import (
-    _SEED_STRIDE,
     PromptsExhausted,
     QueueBatch,
     QueueSettings,
@@ -53,6 +52,7 @@ from minippo.training.rollout_queue import (
     check_staleness,
     collate_completions,
     prompt_ids_of,
+    sample_seed,
     score_sample,
 )
 
@@ -211,7 +211,7 @@ class AlternatingQueue(QueueSettings):
                 f"{current}: publish them first (the engine holds version {self._version})"
             )
         t0 = time.perf_counter()
-        restarted = self._restart_stale(current - self.max_staleness)
+        restarted = self._restart_stale(self._oldest_allowed(step))
         self._fill()
         ready = [g for g in self._groups if g.complete]
         need = self.groups_per_batch - len(ready)
@@ -239,7 +239,7 @@ class AlternatingQueue(QueueSettings):
         taken = {id(g) for g in batch_groups}
         self._groups = [g for g in self._groups if id(g) not in taken]
         out = self._assemble(step, batch_groups, gen_s)
-        out.metrics.update(check_staleness(out.batch, current - self.max_staleness, current))
+        out.metrics.update(check_staleness(out.batch, self._oldest_allowed(step), current))
         self._next_step = step + 1
         self._restarted_total += restarted
         out.metrics |= {
@@ -264,7 +264,7 @@ class AlternatingQueue(QueueSettings):
     def referenced_versions(self) -> set[int]:
         """The weight versions of the carried tokens that the next batch may still train on
         (what keep_old_actor must keep a snapshot of, besides the latest); older ones restart."""
-        oldest_allowed = self._next_step // self.sync_every - self.max_staleness
+        oldest_allowed = self._oldest_allowed(self._next_step)
         return {
             v
             for g in self._groups
@@ -349,7 +349,7 @@ class AlternatingQueue(QueueSettings):
             index = self._groups_taken
             self._groups_taken += 1
             seeds = [
-                (self.seed * _SEED_STRIDE + index * n + j) % (1 << 62) for j in range(n)
+                sample_seed(self.seed, index * n + j) for j in range(n)
             ]  # the overlap queue's per-sample seeds
             self._groups.append(
                 _Group(index, item, prompt_ids_of(item), [_Sample(seed) for seed in seeds])

@@ -47,10 +47,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from minippo.engine.protocol import GenerateRequest, RolloutEngine, SamplingParams
-from minippo.training.rollout_queue import RolloutSample, prompt_ids_of, score_sample
-
-# per-request seeds: seed * _SEED_STRIDE + global sample index, mod 2**62 (as the rollout queue)
-_SEED_STRIDE = 1_000_003
+from minippo.training.rollout_queue import RolloutSample, prompt_ids_of, sample_seed, score_sample
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -180,7 +177,7 @@ def evaluate(
     for i in positions:
         ids = prompt_ids_of(examples[i])
         for j in range(n):
-            params = replace(sampling, seed=(seed * _SEED_STRIDE + i * n + j) % (1 << 62))
+            params = replace(sampling, seed=sample_seed(seed, i * n + j))
             requests.append(GenerateRequest(ids, params, request_id=f"eval-{i}-{j}"))
             where[requests[-1].request_id] = (i, j)
 

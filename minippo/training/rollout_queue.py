@@ -66,6 +66,12 @@ from minippo.rl.types import RolloutBatch
 _SEED_STRIDE = 1_000_003
 
 
+def sample_seed(base: int, index: int) -> int:
+    """The sampling seed of the request for global sample ``index`` of a run seeded ``base``
+    (rollouts, the alternate schedule and evaluation alike)."""
+    return (base * _SEED_STRIDE + index) % (1 << 62)
+
+
 class PromptsExhausted(RuntimeError):
     """Raised by ``get_batch`` when the prompt source ran out before the requested batch."""
 
@@ -236,6 +242,10 @@ class QueueSettings:
         self._initial_version = initial_version
 
     MODE: str  # rollout.mode of the subclass, saved with its state
+
+    def _oldest_allowed(self, step: int) -> int:
+        """The oldest version a token of the batch of ``step`` may have."""
+        return step // self.sync_every - self.max_staleness
 
     def _settings_state(self) -> dict[str, Any]:
         """The settings a saved queue state only makes sense with (part of ``state_dict``)."""
@@ -466,10 +476,6 @@ class RolloutQueue(QueueSettings):
             self._version = int(version)
             self._cond.notify_all()
 
-    def _oldest_allowed(self, step: int) -> int:
-        """The oldest version a token of the batch of ``step`` may have."""
-        return step // self.sync_every - self.max_staleness
-
     def referenced_versions(self) -> set[int]:
         """The weight versions that tokens of the ready batches and of the batch being generated
         may carry (what keep_old_actor must keep a snapshot of, besides the latest)."""
@@ -637,7 +643,7 @@ class RolloutQueue(QueueSettings):
             ids = prompt_ids_of(item)
             for j in range(n):
                 idx = first + g * n + j
-                params = replace(self.sampling, seed=(self.seed * _SEED_STRIDE + idx) % (1 << 62))
+                params = replace(self.sampling, seed=sample_seed(self.seed, idx))
                 requests.append(GenerateRequest(ids, params, request_id=f"s{slot}-g{g}-n{j}"))
                 owners.append(g)
         return requests, owners

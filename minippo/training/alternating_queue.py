@@ -211,6 +211,7 @@ class AlternatingQueue(QueueSettings):
                 f"{current}: publish them first (the engine holds version {self._version})"
             )
         t0 = time.perf_counter()
+        tokens_before = self._tokens_generated
         restarted = self._restart_stale(self._oldest_allowed(step))
         self._fill()
         ready = [g for g in self._groups if g.complete]
@@ -238,7 +239,7 @@ class AlternatingQueue(QueueSettings):
         batch_groups = sorted(done[: self.groups_per_batch], key=lambda g: g.index)
         taken = {id(g) for g in batch_groups}
         self._groups = [g for g in self._groups if id(g) not in taken]
-        out = self._assemble(step, batch_groups, gen_s)
+        out = self._assemble(step, batch_groups, gen_s, self._tokens_generated - tokens_before)
         out.metrics.update(check_staleness(out.batch, self._oldest_allowed(step), current))
         self._next_step = step + 1
         self._restarted_total += restarted
@@ -408,7 +409,9 @@ class AlternatingQueue(QueueSettings):
             sample_index=group.index * self.samples_per_prompt + j,
         )
 
-    def _assemble(self, step: int, groups: list[_Group], gen_s: float) -> QueueBatch:
+    def _assemble(
+        self, step: int, groups: list[_Group], gen_s: float, generated: int
+    ) -> QueueBatch:
         samples, owners = [], []
         for gi, g in enumerate(groups):
             for s in g.samples:
@@ -420,7 +423,7 @@ class AlternatingQueue(QueueSettings):
         rewards = [s.reward for s in samples] if self.reward_fn is not None else None
         batch = collate_completions(completions, owners, rewards, pad_id=self.pad_id)
         self._gen_time_s += gen_s
-        metrics = batch_metrics(batch, gen_s, has_rewards=rewards is not None)
+        metrics = batch_metrics(batch, gen_s, has_rewards=rewards is not None, generated=generated)
         metrics["rollout/start_version"] = float(step // self.sync_every)
         return QueueBatch(step=step, batch=batch, samples=samples, metrics=metrics)
 

@@ -714,15 +714,20 @@ def score_sample(
     return float(value)
 
 
-def batch_metrics(batch: RolloutBatch, gen_s: float, *, has_rewards: bool) -> dict[str, float]:
-    """``rollout/`` statistics of one batch generated in ``gen_s`` seconds."""
+def batch_metrics(
+    batch: RolloutBatch, gen_s: float, *, has_rewards: bool, generated: int | None = None
+) -> dict[str, float]:
+    """``rollout/`` statistics of one batch generated in ``gen_s`` seconds; ``generated``: the
+    tokens the engine produced in that time (default: the batch's response tokens; fewer when
+    some were carried over from earlier steps, more when it also produced tokens for later)."""
     lengths = batch.response_mask.sum(dim=1, dtype=torch.float64)
     n_tokens = int(lengths.sum())
+    generated = n_tokens if generated is None else generated
     valid = batch.versions >= 0
     low = torch.where(valid, batch.versions, batch.versions.max() + 1).amin(dim=1)
     spans = (valid & (batch.versions != low[:, None])).any(dim=1)  # tokens of 2+ versions
     metrics = {
-        "rollout/tokens_per_s": n_tokens / max(gen_s, 1e-9),
+        "rollout/tokens_per_s": generated / max(gen_s, 1e-9),
         "rollout/gen_time_s": gen_s,
         "rollout/tokens": float(n_tokens),
         "rollout/response_len_mean": float(lengths.mean()),

@@ -214,3 +214,22 @@ def test_resume_refuses_other_queue_settings(engine):
         make_queue(engine, sync_every=2).load_state_dict(state)
     with pytest.raises(ValueError, match=r"saved with rollout.mode=overlap"):
         make_queue(engine).load_state_dict({**overlap.state_dict(), "mode": "overlap"})
+
+
+def test_tokens_per_s_counts_the_tokens_generated_in_the_step(engine):
+    """A batch holds tokens carried from earlier steps, and the step also generates tokens of
+    groups it carries on: the rate is what the engine produced during this step's generation."""
+    queue = make_queue(engine, oversample=2.0)
+    queue.start()
+    batches = run(queue, 4)
+    total = 0.0
+    carried = False
+    for b in batches:
+        m = b.metrics
+        produced = m["rollout/tokens_total"] - total
+        total = m["rollout/tokens_total"]
+        assert m["rollout/tokens_per_s"] * m["rollout/gen_time_s"] == pytest.approx(
+            produced, rel=1e-9
+        )
+        carried |= produced != m["rollout/tokens"]
+    assert carried  # the case the rate must not get wrong occurred

@@ -398,7 +398,7 @@ class Checkpointer:
         if meta["world_size"] != _world_size():
             raise ValueError(
                 f"checkpoint {path} was written by {meta['world_size']} ranks but this run has "
-                f"{_world_size()}; resume with --nproc-per-node {meta['world_size']}"
+                f"{_world_size()}; resume with {layout_hint(meta)}"
             )
         saved, now = saved_shard_ranks(meta), shard_ranks_of(models)
         if saved != now:
@@ -517,7 +517,7 @@ def layout_hint(meta: Mapping[str, Any]) -> str:
     """The launch that gives a checkpoint's layout, for messages."""
     world, shard = int(meta["world_size"]), saved_shard_ranks(meta)
     if shard == world:
-        return f"parallel.sharding=fsdp on {world} rank(s)"
+        return f"--nproc-per-node {world} (parallel.sharding=fsdp over {world} rank(s) in all)"
     return f"parallel.sharding=hsdp on {world // shard} node(s) x --nproc-per-node {shard}"
 
 

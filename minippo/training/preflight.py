@@ -386,7 +386,7 @@ def _resume_problems(cfg: DictConfig, world_size: int, local_world_size: int | N
         if meta["world_size"] != world_size:
             return [
                 f"checkpoint {path} was written by {meta['world_size']} ranks but this run has "
-                f"{world_size}; resume with --nproc-per-node {meta['world_size']}"
+                f"{world_size}; resume with {layout_hint(meta)}"
             ]
         meta = checkpointer.verify(path)
         split = shard_ranks(sharding_of(cfg), world_size, local_world_size) if world_size > 1 else 1

@@ -16,7 +16,9 @@ Axes:
                  loglinear_prox
     discrepancy  fp32: the engine computes in fp32 like the trainer (they agree to ~1e-6);
                  bf16: the engine computes in bfloat16 (engine.dtype=bf16: weights,
-                 activations and KV cache; sampling in fp32 from the bf16 logits)
+                 activations and KV cache; sampling in fp32 from the bf16 logits);
+                 fp8 / int8: bf16 with the linear layers rounded as a quantized serving
+                 engine rounds them (engine.quantize)
     seed         the run's seed (model init, prompts, sampling)
 
 Per cell (mean over seeds): final reward (mean of the last ``--smooth`` steps, with a 95%
@@ -80,6 +82,10 @@ METHODS: dict[str, list[str]] = {
 DISCREPANCY: dict[str, list[str]] = {
     "fp32": [],
     "bf16": ["engine.dtype=bf16"],
+    # a quantized serving engine: bf16 compute from FP8 (weights per channel, activations per
+    # token) or int8 (weights) rounded linear layers (engine.quantize, minippo.engine.quantize)
+    "fp8": ["engine.dtype=bf16", "+engine.quantize=fp8"],
+    "int8": ["engine.dtype=bf16", "+engine.quantize=int8"],
 }
 REGIMES: dict[str, list[str]] = {
     "bound": [],

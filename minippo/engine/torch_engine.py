@@ -58,6 +58,11 @@ from minippo.engine.protocol import (
     compute_dtype,
     validate_requests,
 )
+from minippo.engine.quantize import (
+    check_quant_format,
+    quantize_linear_inputs,
+    quantize_linear_weights_,
+)
 from minippo.engine.sampling import request_uniforms, sample_next
 from minippo.models import KVCache, ModelArgs, Transformer, native_name
 
@@ -139,9 +144,11 @@ class _Server:
         compact: bool,
         inbox: Any,
         outbox: Any,
+        quantize: str | None = None,
     ) -> None:
         self.model = _empty_model(model_args, device, dtype)
         self.device, self.dtype = device, dtype
+        self.quantize = quantize
         self.version = version
         self.max_batch_size = max_batch_size
         self.compact = compact
@@ -158,6 +165,8 @@ class _Server:
         packable = onednn_linear_available(self.device, self.dtype)
         self.linear_kernel = "onednn_packed" if packable else "torch"
         self.packed = pack_linears(self.model) if packable else []
+        if quantize is not None:  # FP8: every linear layer's input rounded per token
+            quantize_linear_inputs(self.model, quantize)
         self.waiting: list[_Row] = []
         self.active: list[_Row] = []  # rows of the running wave
         self.calls: dict[int, list[_Row]] = {}  # generate call -> its rows in request order
@@ -301,6 +310,8 @@ class _Server:
                 f"parameters were never sent ({', '.join(missing[:5])}"
                 f"{', ...' if len(missing) > 5 else ''}); the first publish must send them all"
             )
+        if self.quantize is not None:  # the engine samples from rounded weights
+            quantize_linear_weights_(self.model, self.quantize)
         for layer in self.packed:
             layer.repack()
         self.version = version
@@ -577,6 +588,12 @@ class TorchEngine:
                         them until the whole wave is done (only useful to measure the gain).
         seed:           seeds the per-request seeds of requests without one.
         start_timeout:  seconds to wait for the engine process to allocate its model.
+        quantize:       null, "fp8" or "int8" (config key ``engine.quantize``): sample from
+                        linear layers rounded as a quantized serving engine would
+                        (:mod:`minippo.engine.quantize`: FP8 E4M3 weights per channel and
+                        activations per token, or int8 weights), while the trainer scores in
+                        its own precision. For studying the train-inference gap; the output
+                        layer, embeddings and norms are not rounded.
     """
 
     def __init__(
@@ -592,6 +609,7 @@ class TorchEngine:
         compact: bool = True,
         seed: int = 0,
         start_timeout: float = 300.0,
+        quantize: str | None = None,
     ) -> None:
         if not isinstance(model_args, ModelArgs):
             raise TypeError(
@@ -601,6 +619,7 @@ class TorchEngine:
             )
         if max_batch_size < 1:
             raise ValueError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
+        check_quant_format(quantize)
         self.args = model_args
         self.max_seq_len = int(model_args.max_seq_len)
         self.in_process = in_process
@@ -621,6 +640,7 @@ class TorchEngine:
             seed=seed,
             max_batch_size=max_batch_size,
             compact=compact,
+            quantize=quantize,
         )
         if in_process:
             self._inbox: Any = queue_lib.Queue()

@@ -43,6 +43,7 @@ from minippo.config.schema import (
     Str,
     check_schema,
 )
+from minippo.engine.quantize import QUANT_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,9 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
     "tokenizer": Component(),
     "dataset": Component({"num_examples": Int(min=1, null=True)}),
     "reward": Component(),
-    "engine": Component({"dtype": Dtype(), "max_batch_size": Int(min=1)}),
+    "engine": Component(
+        {"dtype": Dtype(), "max_batch_size": Int(min=1), "quantize": Str(QUANT_FORMATS, null=True)}
+    ),
     "rollout": Section(
         {
             "mode": Str(("alternate", "overlap"), optional=True),

@@ -31,6 +31,7 @@ from tests.engine_suite import (
     one_torch_thread,  # noqa: F401 (autouse: one torch thread for this module)
     publish_model,
     reference_logprobs_of,
+    req,
 )
 
 ARGS = qwen3_tiny()
@@ -380,3 +381,49 @@ def test_uniforms_drawn_once_equal_one_draw_per_step():
         g = torch.Generator().manual_seed(seed)
         per_step = torch.cat([torch.rand(1, generator=g) for _ in range(300)])
         assert torch.equal(request_uniforms(seed, 300), per_step)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_engine_samples_from_the_rounded_model(fmt):
+    """``engine.quantize``: the engine's logprobs are those of the model with its linear layers
+    rounded (minippo.engine.quantize), not the published fp32 model's. int8 rounds only the
+    weights, so every token agrees with the rounded model to the fp32 bound (1e-4, as above).
+    FP8 also rounds each linear input per token: the decode step and the teacher-forced forward
+    compute those inputs in a different order, and a value within float32 rounding of an FP8
+    rounding boundary may round the other way, so the median token is held to the bound."""
+    import copy
+    import statistics
+
+    from minippo.engine.quantize import quantize_linear_inputs, quantize_linear_weights_
+
+    rounded = copy.deepcopy(model_of(0))
+    quantize_linear_weights_(rounded, fmt)
+    hooks = quantize_linear_inputs(rounded, fmt)
+    reqs = [req([1 + i, 2, 3 + 2 * i], f"q{i}", max_new_tokens=12, seed=i) for i in range(4)]
+    with TorchEngine(ARGS, in_process=True, quantize=fmt) as eng:
+        publish_model(eng, model_of(0))
+        outs = eng.generate(reqs)
+        publish_model(eng, model_of(0), version=1)  # rounding again after a publish changes nothing
+        again = eng.generate(reqs)
+    to_rounded, to_fp32 = [], []
+    for c, c2, r in zip(outs, again, reqs):
+        assert c.token_ids == c2.token_ids and c.logprobs == c2.logprobs
+        ids = torch.tensor([list(r.prompt_ids) + list(c.token_ids)])
+        with torch.no_grad():
+            ref = token_logprobs(rounded, ids, start=len(r.prompt_ids))[0].tolist()
+            fp32 = token_logprobs(model_of(0), ids, start=len(r.prompt_ids))[0].tolist()
+        to_rounded += [abs(a - b) for a, b in zip(c.logprobs, ref)]
+        to_fp32 += [abs(a - b) for a, b in zip(c.logprobs, fp32)]
+    for h in hooks:
+        h.remove()
+    if fmt == "int8":
+        assert max(to_rounded) <= 1e-4
+    else:
+        assert statistics.median(to_rounded) <= 1e-4
+    # and the gap to the trainer's fp32 model is far beyond the fp32 agreement bound
+    assert statistics.fmean(to_fp32) > 10 * 1e-4, statistics.fmean(to_fp32)
+
+
+def test_unknown_quantize_format_is_refused():
+    with pytest.raises(ValueError, match=r"engine\.quantize must be null or one of"):
+        TorchEngine(ARGS, in_process=True, quantize="int4")

@@ -44,7 +44,10 @@ MARKERS = {
         "| 1.5 |",
         "\nratio: ",
     ],
+    "vs_trl.py": ["| minippo sync |", "| minippo async |", "| TRL GRPOTrainer, 1 thread |"],
 }
+# Scripts that compare against an optional package (the `bench` extra): skipped without it.
+NEEDS = {"vs_trl.py": "trl"}
 # Quick modes slower than ~20 s on an unloaded 2-core machine. Measured at load ~1 (seconds):
 # corrections_study 12, perf 18, memory 13, engine_throughput 8.5, correction_cost 11,
 # logprob_memory 11, reward_speed 8 (at load 5), long_tail 8 (at load 3) (default total ~89 s);
@@ -72,6 +75,10 @@ def test_every_script_is_covered():
     [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in SCRIPTS],
 )
 def test_quick_mode_runs_and_prints_its_table(script, tmp_path):
+    if script in NEEDS:
+        pytest.importorskip(
+            NEEDS[script], reason=f"{script} needs {NEEDS[script]} (the bench extra)"
+        )
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
     try:
         proc = subprocess.run(

@@ -23,8 +23,9 @@ from torch import nn
 _LAYERS: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 
 
-@torch.library.custom_op("minippo::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """``x @ weight.T + bias`` with the packed copy of ``weight`` (a :class:`PackedLinear`'s)."""
     layer = _LAYERS.get(weight.data_ptr())
     if layer is None or layer.packed is None:
@@ -32,7 +33,14 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")
 
 
-@packed_linear.register_fake
+# registered with torch.library.Library rather than @custom_op: a plain CPU kernel is called with
+# about the overhead of the direct call (~20 us less per call, x 7 linears per layer per step)
+_LIB = torch.library.Library("minippo", "FRAGMENT")
+_LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.impl("packed_linear", _packed_linear, "CPU")
+
+
+@torch.library.register_fake("minippo::packed_linear")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 

@@ -639,6 +639,8 @@ class TorchEngine:
             )
         if max_batch_size < 1:
             raise ValueError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
+        if not isinstance(compile, bool):
+            raise TypeError(f"engine.compile must be true or false, got {compile!r}")
         self.args = model_args
         self.max_seq_len = int(model_args.max_seq_len)
         self.in_process = in_process
@@ -659,7 +661,7 @@ class TorchEngine:
             seed=seed,
             max_batch_size=max_batch_size,
             compact=compact,
-            compile=bool(compile),
+            compile=compile,
         )
         if in_process:
             self._inbox: Any = queue_lib.Queue()
@@ -821,10 +823,11 @@ class TorchEngine:
         with self._control:
             self._call("wake", None)
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> dict[str, int | str | bool]:
         """Counters: waves, decode_steps, row_steps (rows summed over steps), reprefills; and
         ``linear_kernel``: ``"onednn_packed"`` (CPU, float32 / bfloat16, weights packed once per
-        publish) or ``"torch"`` (the model's own ``nn.Linear`` layers)."""
+        publish) or ``"torch"`` (the model's own ``nn.Linear`` layers); ``compiled``: the
+        ``compile`` option."""
         return self._call("stats", None)
 
     def shutdown(self) -> None:

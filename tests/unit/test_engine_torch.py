@@ -363,6 +363,13 @@ def test_engine_process_generates_publishes_and_shuts_down_cleanly():
         eng.generate([r])
 
 
+def test_compile_option_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"engine\.compile must be true or false"):
+        TorchEngine(ARGS, in_process=True, compile="yes")
+    with TorchEngine(ARGS, in_process=True) as eng:
+        assert eng.stats()["compiled"] is False  # default off: nothing is compiled
+
+
 def test_built_from_the_config_and_refuses_to_generate_before_the_first_publish():
     """The recipe builds every engine as ``instantiate(cfg.engine, model_args=...)``; the engine
     starts without weights and the first publish must fill every parameter."""

@@ -8,11 +8,16 @@ no top-k / top-p), in this process with the same number of torch threads. TorchE
 in-process (``in_process=True``: the same serving loop as the engine process, without the process
 hop) so the two measure compute alike; ``--process`` times the engine process instead.
 
+``--compile`` adds a third contender in the same interleaved runs: ``TorchEngine(compile=True)``
+(``torch.compile``d decode step and sampler); it reports its compile time (its first generate
+minus the same generate again), its logprob agreement, and the compiled / eager engine ratio.
+
 A second table measures the compaction of finished rows: requests with mixed max_new_tokens,
 ``compact=True`` (finished rows leave the batch via KVCache.keep) vs ``compact=False``.
 
     python benchmarks/engine_throughput.py            # 32 prompts x 128 new tokens
     python benchmarks/engine_throughput.py --quick    # seconds
+    python benchmarks/engine_throughput.py --compile  # + the compiled engine (compiles ~1 min)
 """
 
 from __future__ import annotations
@@ -136,6 +141,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
     ap.add_argument("--process", action="store_true", help="time the engine process instead")
+    ap.add_argument(
+        "--compile", action="store_true", help="also time TorchEngine(compile=True) (A/B/C)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.batch, args.new_tokens, args.repeats = 8, 16, 1
@@ -158,10 +166,21 @@ def main() -> None:
     no_compact = torch_engine(
         ours, in_process=not args.process, num_threads=args.threads, compact=False
     )
-    hf_times, eng_times, comp_times, nocomp_times = [], [], [], []
+    compiled = (
+        torch_engine(ours, in_process=not args.process, num_threads=args.threads, compile=True)
+        if args.compile
+        else None
+    )
+    hf_times, eng_times, comp_times, nocomp_times, cc_times = [], [], [], [], []
     try:
         agreement = logprob_agreement(engine, ours, requests[:8])
         kernel = engine.stats()["linear_kernel"]
+        if compiled is not None:
+            t0 = time.perf_counter()
+            c_agreement = logprob_agreement(compiled, ours, requests[:8])  # compiles here
+            t_first = time.perf_counter() - t0
+            t_again = run_engine(compiled, requests[:8])[0]
+            compile_s = t_first - t_again
         # interleaved runs so that both sides see the same load on shared cores; run 0 warms up
         for r in range(args.repeats + 1):
             t_hf = run_hf(hf, prompts, args.new_tokens, seed=r)
@@ -169,6 +188,11 @@ def main() -> None:
             assert n == total, (n, total)
             t_c, n_mixed = run_engine(engine, mixed)
             t_nc, _ = run_engine(no_compact, mixed)
+            if compiled is not None:
+                t_cc, n = run_engine(compiled, requests)
+                assert n == total, (n, total)
+                if r:
+                    cc_times.append(t_cc)
             if r:
                 hf_times.append(t_hf)
                 eng_times.append(t_eng)
@@ -177,6 +201,8 @@ def main() -> None:
     finally:
         engine.shutdown()
         no_compact.shutdown()
+        if compiled is not None:
+            compiled.shutdown()
 
     def row(name: str, times: list[float], n_tokens: int) -> str:
         best, med = min(times), statistics.median(times)
@@ -198,6 +224,19 @@ def main() -> None:
     best = min(hf_times) / min(eng_times)
     med = statistics.median(hf_times) / statistics.median(eng_times)
     print(f"ratio TorchEngine / HF: {best:.2f}x (best runs), {med:.2f}x (medians)")
+    if compiled is not None:
+        print(row(f"TorchEngine compile=True ({mode})", cc_times, total))
+        for name, base in (("HF", hf_times), ("TorchEngine", eng_times)):
+            best = min(base) / min(cc_times)
+            med = statistics.median(base) / statistics.median(cc_times)
+            print(
+                f"ratio TorchEngine compile=True / {name}: {best:.2f}x (best runs), "
+                f"{med:.2f}x (medians)"
+            )
+        print(
+            f"compile=True: compile time {compile_s:.1f} s (first generate of 8 prompts minus "
+            f"the same again); max |engine - teacher-forced| logprob: {c_agreement:.2g}"
+        )
     print(
         f"\ncompaction: {args.batch} requests, max_new_tokens from {args.new_tokens // 8} to "
         f"{args.new_tokens} ({n_mixed} tokens)"

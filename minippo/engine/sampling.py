@@ -74,6 +74,22 @@ def sample_next(
     return tokens, logprobs
 
 
+def sample_unfiltered(
+    logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_next` for a batch whose rows are all sampled (``T > 0``) without top-k /
+    top-p, the usual rollout: the same math, as one function of fixed shapes without host syncs
+    (what ``TorchEngine(compile=True)`` compiles). ``(tokens Long[k], logprobs Float32[k])``."""
+    z = logits.float() / temperature[:, None]
+    zmax = z.amax(dim=-1, keepdim=True)
+    e = (z - zmax).exp()
+    block_mass = block_sums(e)
+    lse = zmax.squeeze(-1).double() + block_mass.sum(-1).log()
+    tokens = inverse_cdf(e, block_mass, u)
+    logprobs = (z.gather(-1, tokens[:, None]).squeeze(-1).double() - lse).float()
+    return tokens, logprobs
+
+
 def block_sums(probs: torch.Tensor) -> torch.Tensor:
     """Float64 sums of consecutive ``_CDF_BLOCK``-token blocks of ``probs [k, V]`` (the last
     block may be shorter): ``[k, ceil(V / _CDF_BLOCK)]``."""

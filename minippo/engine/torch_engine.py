@@ -18,7 +18,10 @@ seeded by its ``seed``, so a seeded request gives the same tokens whatever else 
 to floating-point differences of batched matmuls).
 
 Kernels: on CPU (float32 / bfloat16, oneDNN) every linear layer of the engine's model runs with
-weights packed once per publish (``minippo.engine._cpu_kernels``); see docs/engine.md.
+weights packed once per publish (``minippo.engine._cpu_kernels``); see docs/engine.md. With
+``compile=True`` the decode step (one token per row: forward + lm_head) and the sampler of plain
+rows are ``torch.compile``d with dynamic shapes (one graph for every batch size >= 2 and cache
+length), compiled at their first use.
 
 Process model: ``TorchEngine(model_args)`` starts a spawned child process that allocates its own
 model from the config (no weights are copied at start) and serves requests from a message queue,
@@ -63,7 +66,7 @@ from minippo.engine.quantize import (
     quantize_linear_inputs,
     quantize_linear_weights_,
 )
-from minippo.engine.sampling import request_uniforms, sample_next
+from minippo.engine.sampling import request_uniforms, sample_next, sample_unfiltered
 from minippo.models import KVCache, ModelArgs, Transformer, native_name
 
 
@@ -73,6 +76,27 @@ def default_num_threads() -> int:
     1: 1 on a 2-core machine, 4 per engine with 16 cores and 2 ranks."""
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, (os.cpu_count() or 2) // 2 // ranks_here)
+
+
+def decode_logits(
+    model: Transformer,
+    tokens: torch.Tensor,
+    pos: torch.Tensor,
+    mask: torch.Tensor | None,
+    cache: KVCache,
+) -> torch.Tensor:
+    """One decode step: logits ``[k, V]`` of the next token after ``tokens Long[k]`` at
+    positions ``pos Long[k, 1]``; ``mask`` Bool[k, S_kv] padding mask over cached + new keys
+    (None: no padding); appends the new keys/values to ``cache``. What ``compile=True``
+    compiles."""
+    h = model(
+        tokens[:, None],
+        position_ids=pos,
+        attention_mask=mask,
+        kv_cache=cache,
+        return_hidden=True,
+    )
+    return model.output(h[:, -1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,6 +166,7 @@ class _Server:
         seed: int,
         max_batch_size: int,
         compact: bool,
+        compile: bool,
         inbox: Any,
         outbox: Any,
         quantize: str | None = None,
@@ -167,6 +192,11 @@ class _Server:
         self.packed = pack_linears(self.model) if packable else []
         if quantize is not None:  # FP8: every linear layer's input rounded per token
             quantize_linear_inputs(self.model, quantize)
+        # compile=True: dynamic shapes, so that waves of any length and compaction reuse one graph
+        # (sizes 0/1 are still specialised: a single row runs eagerly instead of recompiling)
+        self.compile = compile
+        self.decode = torch.compile(decode_logits, dynamic=True) if compile else decode_logits
+        self.sample = torch.compile(sample_unfiltered, dynamic=True) if compile else None
         self.waiting: list[_Row] = []
         self.active: list[_Row] = []  # rows of the running wave
         self.calls: dict[int, list[_Row]] = {}  # generate call -> its rows in request order
@@ -191,7 +221,11 @@ class _Server:
             "resume": self._on_resume,
             "publish_begin": self._publish,
             "abort": lambda call_id, _: self._abort_all(),
-            "stats": lambda call_id, _: {**self.stats, "linear_kernel": self.linear_kernel},
+            "stats": lambda call_id, _: {
+                **self.stats,
+                "linear_kernel": self.linear_kernel,
+                "compiled": self.compile,
+            },
             "sleep": lambda call_id, _: self._sleep_wake("sleep"),
             "wake": lambda call_id, _: self._sleep_wake("wake"),
             "shutdown": self._on_shutdown,
@@ -458,6 +492,8 @@ class _Server:
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         stops = [set(p.stop_token_ids) for p in params]
+        # every row sampled without top-k / top-p: the compiled sampler applies (compile=True)
+        unfiltered = all(p.temperature > 0 and p.top_k == 0 and p.top_p >= 1 for p in params)
         # uniforms[i, t]: the uniform that draws token t of row i (greedy rows draw none)
         uniforms = torch.zeros(k, max_new)
         for i, r in enumerate(rows):
@@ -472,9 +508,11 @@ class _Server:
         logits, cache, pos = self._prefill(seq[:, :col], mask[:, :col], p_len + max_new, no_padding)
         self.stale_cache = False
         while True:
-            tokens, logprobs = sample_next(
-                logits, temperature, top_k, top_p, uniforms[:, col - p_len]
-            )
+            u = uniforms[:, col - p_len]
+            if self.compile and unfiltered and len(rows) > 1:
+                tokens, logprobs = self.sample(logits, temperature, u.contiguous())
+            else:
+                tokens, logprobs = sample_next(logits, temperature, top_k, top_p, u)
             version = self.version
             finished_now = False
             for i, (r, tok, lp) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist())):
@@ -523,14 +561,9 @@ class _Server:
                 self.stale_cache = False
                 continue
             pos = pos + 1  # the newest token (tokens) sits one position after the previous one
-            h = self.model(
-                tokens[:, None],
-                position_ids=pos,
-                attention_mask=None if no_padding else mask[:, :col],  # cached + new keys
-                kv_cache=cache,
-                return_hidden=True,
-            )
-            logits = self.model.output(h[:, -1])
+            decode = self.decode if len(rows) > 1 else decode_logits
+            # mask: cached + new keys
+            logits = decode(self.model, tokens, pos, None if no_padding else mask[:, :col], cache)
 
 
 def _serve_in_child(spec: dict, inbox: Any, outbox: Any) -> None:
@@ -586,6 +619,10 @@ class TorchEngine:
         max_batch_size: most rows decoded together; more waiting requests form the next wave.
         compact:        drop finished rows from the batch (KVCache.keep). False keeps computing
                         them until the whole wave is done (only useful to measure the gain).
+        compile:        ``torch.compile`` the decode step and the sampler of rows without
+                        top-k / top-p (config key ``engine.compile``; default False). Compiled
+                        at first use in the engine process (tens of seconds on CPU, see
+                        docs/benchmarks.md); same logprobs, publishes and sleep / wake unchanged.
         seed:           seeds the per-request seeds of requests without one.
         start_timeout:  seconds to wait for the engine process to allocate its model.
         quantize:       null, "fp8" or "int8" (config key ``engine.quantize``): sample from
@@ -607,6 +644,7 @@ class TorchEngine:
         num_threads: int | None = None,
         max_batch_size: int = 256,
         compact: bool = True,
+        compile: bool = False,
         seed: int = 0,
         start_timeout: float = 300.0,
         quantize: str | None = None,
@@ -620,6 +658,8 @@ class TorchEngine:
         if max_batch_size < 1:
             raise ValueError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
         check_quant_format(quantize)
+        if not isinstance(compile, bool):
+            raise TypeError(f"engine.compile must be true or false, got {compile!r}")
         self.args = model_args
         self.max_seq_len = int(model_args.max_seq_len)
         self.in_process = in_process
@@ -641,6 +681,7 @@ class TorchEngine:
             max_batch_size=max_batch_size,
             compact=compact,
             quantize=quantize,
+            compile=compile,
         )
         if in_process:
             self._inbox: Any = queue_lib.Queue()
@@ -802,10 +843,11 @@ class TorchEngine:
         with self._control:
             self._call("wake", None)
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> dict[str, int | str | bool]:
         """Counters: waves, decode_steps, row_steps (rows summed over steps), reprefills; and
         ``linear_kernel``: ``"onednn_packed"`` (CPU, float32 / bfloat16, weights packed once per
-        publish) or ``"torch"`` (the model's own ``nn.Linear`` layers)."""
+        publish) or ``"torch"`` (the model's own ``nn.Linear`` layers); ``compiled``: the
+        ``compile`` option."""
         return self._call("stats", None)
 
     def shutdown(self) -> None:

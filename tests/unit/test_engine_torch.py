@@ -21,6 +21,7 @@ from minippo.engine.sampling import (
     inverse_cdf,
     request_uniforms,
     sample_next,
+    sample_unfiltered,
 )
 from minippo.engine.torch_engine import TorchEngine
 from minippo.models import Transformer, hf_name, init_weights, qwen3_tiny, token_logprobs
@@ -297,6 +298,41 @@ def test_packed_linears_keep_names_and_outputs_and_follow_publishes():
         assert eng.stats()["linear_kernel"] == "onednn_packed"
 
 
+@pytest.mark.skipif(
+    not onednn_linear_available(torch.device("cpu"), torch.float32), reason="needs oneDNN"
+)
+def test_packed_linear_op_reads_the_current_packed_weights():
+    """The custom op that compiled graphs call instead of the packed kernel (compile=True)."""
+    lin = torch.nn.Linear(16, 24)
+    (layer,) = pack_linears(torch.nn.Sequential(lin))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert (
+            torch.ops.minippo.packed_linear(x, lin.weight, lin.bias) - lin(x)
+        ).abs().max() < 1e-5
+        lin.weight.mul_(-2.0)
+        layer.repack()  # what a publish does
+        assert (
+            torch.ops.minippo.packed_linear(x, lin.weight, lin.bias) - lin(x)
+        ).abs().max() < 1e-5
+        layer.drop()  # what sleep does
+        with pytest.raises(RuntimeError, match="no packed copy"):
+            torch.ops.minippo.packed_linear(x, lin.weight, lin.bias)
+
+
+def test_sample_unfiltered_equals_sample_next_for_plain_rows():
+    """The fixed-shape sampler that compile=True compiles: sample_next's numbers exactly."""
+    gen = torch.Generator().manual_seed(5)
+    for k, vocab, t in [(4, 300, None), (6, 32_000, None), (3, 1000, 1.0)]:
+        logits = torch.randn(k, vocab, generator=gen) * 3
+        temperature = torch.full((k,), t) if t else torch.rand(k, generator=gen) + 0.2
+        u = torch.rand(k, generator=gen)
+        zeros, ones = torch.zeros(k, dtype=torch.long), torch.ones(k)
+        want = sample_next(logits, temperature, zeros, ones, u)
+        got = sample_unfiltered(logits, temperature, u)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_prompt_ids_outside_the_vocabulary_are_refused(engine):
     with pytest.raises(ValueError, match="vocab"):
         engine.generate([GenerateRequest([1, ARGS.vocab_size], SamplingParams(), "x")])
@@ -326,6 +362,13 @@ def test_engine_process_generates_publishes_and_shuts_down_cleanly():
     eng.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate([r])
+
+
+def test_compile_option_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"engine\.compile must be true or false"):
+        TorchEngine(ARGS, in_process=True, compile="yes")
+    with TorchEngine(ARGS, in_process=True) as eng:
+        assert eng.stats()["compiled"] is False  # default off: nothing is compiled
 
 
 def test_built_from_the_config_and_refuses_to_generate_before_the_first_publish():

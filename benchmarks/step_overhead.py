@@ -16,17 +16,19 @@ moves them all alike.
 One run trains ``warm + plain + 1 + profiled + 1`` steps:
 
 * ``plain`` steps without a profiler: their ``perf/step_s`` (the recipe's own step clock,
-  metrics.jsonl) is the step time reported;
+  metrics.jsonl) is the step time; ``time.perf_counter`` around the recipe's methods gives each
+  phase's wall time and ``time.thread_time`` the main thread's CPU time per step (less moved by
+  other jobs than wall time: waiting for a core does not count);
 * ``profiled`` steps under ``torch.profiler`` (CPU, main thread): the self time of the
   matmul/attention ops and their backward (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``,
-  ``linear``, ``matmul`` and the ``scaled_dot_product`` family) is the compute; each step is
-  split into phases by ``record_function`` ranges that this script wraps around the recipe's
-  methods (nothing in the recipe changes), and each phase's wall time into compute, the other
-  aten ops' self time (elementwise, reductions, copies, optimizer math) and the rest (Python,
-  dispatch, waiting on the engine process or the rollout thread).
+  ``linear``, ``matmul`` and the ``scaled_dot_product`` family) is the compute of each phase;
+  the other aten ops' self time (elementwise, reductions, copies, optimizer math) and the rest
+  (Python, dispatch, waiting on the engine process) are shown beside it.
 
-The profiler adds a few microseconds to every op, so the profiled step is slower than a plain
-one; "non-matmul per step" in the summary is the plain step time minus the profiled compute.
+Phases are ``record_function`` ranges this script wraps around the recipe's methods (``PHASES``;
+the recipe is not edited); what runs between them is "other". "non-matmul ms" is a phase's plain
+wall time minus its profiled compute. The profiler adds a few microseconds to every op, so a
+profiled step is slower than a plain one.
 """
 
 from __future__ import annotations
@@ -166,8 +168,10 @@ def child(args: argparse.Namespace) -> dict:
         # a step is from one get_batch call to the next, as the recipe's perf/step_s clock
         get_batch = recipe.queue.get_batch
         state = {"range": None, "prof": None}
+        cpu_at: dict[int, float] = {}  # the main thread's CPU seconds when step s starts
 
         def stepped_get_batch(step):
+            cpu_at[step] = time.thread_time()
             if state["range"] is not None:
                 state["range"].__exit__(None, None, None)
             clock.on = warm <= step < warm + plain  # the plain steps' phases are timed
@@ -190,9 +194,15 @@ def child(args: argparse.Namespace) -> dict:
     if args.top:  # the ops with the most self time over the profiled steps (exploration)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     step_ms = 1e3 * statistics.median(step_s)
+    cpu_s = [cpu_at[s + 1] - cpu_at[s] for s in range(warm, warm + plain)]
     plain_ms = {ph: 1e3 * t / plain for ph, t in clock.seconds.items()}
     plain_ms[OTHER] = 1e3 * sum(step_s) / plain - sum(plain_ms.values())
-    return {"step_ms": step_ms, "plain_ms": plain_ms, **_breakdown(prof.events(), prof_steps)}
+    return {
+        "step_ms": step_ms,
+        "cpu_ms": 1e3 * statistics.median(cpu_s),
+        "plain_ms": plain_ms,
+        **_breakdown(prof.events(), prof_steps),
+    }
 
 
 def _breakdown(events, n_steps: int) -> dict:
@@ -280,6 +290,7 @@ def median_result(results: list[dict]) -> dict:
     med = statistics.median
     return {
         "step_ms": med(r["step_ms"] for r in results),
+        "cpu_ms": med(r["cpu_ms"] for r in results),
         "profiled_step_ms": med(r["profiled_step_ms"] for r in results),
         "plain_ms": {
             ph: med(r["plain_ms"].get(ph, 0.0) for r in results) for ph in results[0]["phases"]
@@ -312,17 +323,12 @@ def summary_table(labels: list[str], results: dict[str, dict]) -> str:
     for label in labels:
         res = results[label]
         c = compute_ms(res)
-        rows.append([label, res["step_ms"], c, res["step_ms"] - c, res["profiled_step_ms"]])
-    return markdown_table(
-        [
-            "code",
-            "step ms (plain)",
-            "matmul/attention ms",
-            "non-matmul ms",
-            "step ms (profiled)",
-        ],
-        rows,
-    )
+        rows.append(
+            [label, res["step_ms"], c, res["step_ms"] - c, res["cpu_ms"], res["profiled_step_ms"]]
+        )
+    headers = ["code", "step ms", "matmul/attention ms", "non-matmul ms"]
+    headers += ["main-thread CPU ms", "step ms (profiled)"]
+    return markdown_table(headers, rows)
 
 
 def main() -> None:

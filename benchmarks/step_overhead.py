@@ -314,6 +314,25 @@ def phase_table(res: dict) -> str:
     return markdown_table(headers, rows)
 
 
+def comparison_table(labels: list[str], results: dict[str, dict]) -> str:
+    """Per phase: each ref's plain wall time and non-matmul time side by side."""
+    rows = []
+    phases = list(results[labels[0]]["phases"])
+    for ph in [*phases, None]:
+        row: list[object] = [ph or "**step**"]
+        for kind in ("wall", "non-matmul"):
+            for label in labels:
+                res = results[label]
+                names = [ph] if ph else phases
+                wall = sum(res["plain_ms"][n] for n in names)
+                compute = sum(res["phases"][n]["compute"] for n in names)
+                row.append(wall if kind == "wall" else wall - compute)
+        rows.append(row)
+    headers = ["phase", *[f"{x} wall ms" for x in labels]]
+    headers += [f"{x} non-matmul ms" for x in labels]
+    return markdown_table(headers, rows)
+
+
 def compute_ms(res: dict) -> float:
     return sum(v["compute"] for v in res["phases"].values())
 
@@ -377,6 +396,8 @@ def main() -> None:
     print("## Summary (ms per step)\n")
     print(summary_table(list(results), results))
     if len(results) >= 2:
+        print("\n## Per phase, side by side (ms per step)\n")
+        print(comparison_table(list(results), results))
         before, after = next(iter(results)), list(results)[-1]
         a, b = (results[k]["step_ms"] - compute_ms(results[k]) for k in (before, after))
         print(f"\nnon-matmul time per step, {after} / {before}: {b / a:.2f}")

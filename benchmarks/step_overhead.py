@@ -9,7 +9,7 @@ Each run is ``recipes/async_ppo.py`` with ``configs/tiny_cpu.yaml`` (fixed seed,
 until the last step, no progress bar), built in a child process from the code of the ref it
 measures: ``--ref REF`` exports that commit (``git archive``) into a temporary folder and runs
 the recipe and the ``minippo`` package found there; without ``--ref`` it runs this checkout's
-working tree. Runs of several refs are interleaved (ref A, ref B, ref A, ...) and every figure
+working tree. Runs of several refs are interleaved (A B, B A, A B, ...) and every figure
 is the median over runs of the median over steps, so that a machine shared with other jobs
 moves them all alike.
 
@@ -380,7 +380,8 @@ def main() -> None:
         repos = {ref: export_ref(ref, tmp / "src") for ref in args.ref} or {"working tree": REPO}
         runs: dict[str, list[dict]] = {label: [] for label in repos}
         for i in range(args.runs):
-            for label, repo in repos.items():
+            order = list(repos.items())
+            for label, repo in order if i % 2 == 0 else order[::-1]:  # A B, B A, ...
                 out = tmp / "runs" / f"{label.replace('/', '_').replace(' ', '_')}_{i}"
                 runs[label].append(run_child(repo, out, args))
     results = {label: median_result(r) for label, r in runs.items()}

@@ -53,8 +53,8 @@ MARKERS = {
 }
 # Quick modes slower than ~20 s on an unloaded 2-core machine. Measured at load ~1 (seconds):
 # corrections_study 12, perf 18, memory 13, engine_throughput 8.5, correction_cost 11,
-# logprob_memory 11, reward_speed 8 (at load 5), long_tail 8 (at load 3), step_overhead 18 (at
-# load 4) (default total ~107 s);
+# logprob_memory 11, reward_speed 8 (at load 5), long_tail 8 (at load 3), step_overhead 19 (at
+# load 2) (default total ~108 s);
 # optimizer_memory 28 (slow).
 SLOW = {"optimizer_memory.py"}
 TIMEOUT_S = 900

@@ -161,7 +161,31 @@ def build_optimizer(node: DictConfig | dict, params: Iterable[Any]) -> torch.opt
             "optimizer: needs a _component_, e.g. _component_: minippo.training.optimizers.AdamW "
             f"(known: {', '.join(OPTIMIZER_SPECS)})"
         )
+    if _cpu_foreach_by_default(node, params):
+        return instantiate(node, params, foreach=True)
     return instantiate(node, params)
+
+
+def _cpu_foreach_by_default(node: DictConfig | dict, params: list[Any]) -> bool:
+    """Whether to give ``torch.optim.Adam``/``AdamW`` ``foreach=True`` that the node left unset.
+
+    On CPU torch picks its per-tensor loop (a Python iteration and ~10 op calls per parameter
+    tensor); its ``foreach`` path runs the same element-wise ops per tensor, so the weights come
+    out bit for bit the same, with one call per op for all tensors: a third less time per
+    optimizer step on the small models of the CPU configs (docs/benchmarks.md, "Per-step
+    overhead"). Accelerators already default to foreach or fused; DTensor parameters are left as
+    torch picks.
+    """
+    if "foreach" in node or "fused" in node:
+        return False
+    cls = locate(str(node["_component_"]), "optimizer._component_")
+    if cls not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    return all(
+        type(t) is torch.nn.Parameter and t.device.type == "cpu" and t.is_floating_point()
+        for t in tensors
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,12 +45,19 @@ MARKERS = {
         "\nratio: ",
     ],
     "vs_trl.py": ["| minippo sync |", "| minippo async |", "| TRL GRPOTrainer, 1 thread |"],
+    "step_overhead.py": [
+        "| phase | wall ms | matmul/attention ms | non-matmul ms |",
+        "| publish |",
+        "| **step** |",
+        "main-thread CPU ms",
+    ],
 }
 # Scripts that compare against an optional package (the `bench` extra): skipped without it.
 NEEDS = {"vs_trl.py": "trl"}
 # Quick modes slower than ~20 s on an unloaded 2-core machine. Measured at load ~1 (seconds):
 # corrections_study 12, perf 18, memory 13, engine_throughput 8.5, correction_cost 11,
-# logprob_memory 11, reward_speed 8 (at load 5), long_tail 8 (at load 3) (default total ~89 s);
+# logprob_memory 11, reward_speed 8 (at load 5), long_tail 8 (at load 3), step_overhead 19 (at
+# load 2) (default total ~108 s);
 # optimizer_memory 28 (slow).
 SLOW = {"optimizer_memory.py"}
 TIMEOUT_S = 900

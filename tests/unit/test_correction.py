@@ -463,6 +463,28 @@ def test_ewma_matches_float64_reference():
     assert out.metrics()["correction/ewma_distance"] == pytest.approx(dist_ref, rel=1e-5)
 
 
+def test_ewma_distance_equals_the_per_tensor_sum_bit_for_bit(monkeypatch):
+    """The grouped foreach distance adds the same float64 terms in the same order as a loop of
+    ‖θ̄_i − θ_i‖² per tensor, whatever the group size."""
+    import minippo.rl.correction.ewma as ewma_mod
+
+    model = make_model()
+    corr = EWMA(max_staleness=1, updates_per_step=4)
+    corr.on_weights_published(0, model)
+    for k in range(3):
+        perturb(model, seed=200 + k)
+        corr.after_optimizer_step(model)
+    perturb(model, seed=300)
+    expected = 0.0
+    for tb, t in zip(corr.theta_bar, model.parameters()):
+        d2 = torch.linalg.vector_norm(tb - t.detach().float()).double() ** 2
+        expected += d2.item()
+    assert expected > 0
+    for group_numel in (64 * 2**20, 1000, 1):  # one group, several, one tensor per group
+        monkeypatch.setattr(ewma_mod, "_DISTANCE_GROUP_NUMEL", group_numel)
+        assert corr.distance(model) == math.sqrt(expected)
+
+
 def test_ewma_bf16_parameters_keep_an_fp32_average():
     layer = torch.nn.Linear(3, 2).to(torch.bfloat16)
     corr = EWMA(beta=0.5)

@@ -371,6 +371,29 @@ def test_compile_option_must_be_a_bool():
         assert eng.stats()["compiled"] is False  # default off: nothing is compiled
 
 
+def test_shared_bucket_crosses_a_pickle_as_the_bucket():
+    """A publish to the engine process sends each bucket as one shared buffer per dtype; what
+    the engine unpickles is the bucket: same names, shapes, dtypes and values, in order."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler  # with torch's shared-memory reducers
+
+    from minippo.engine.torch_engine import _SharedBucket
+
+    gen = torch.Generator().manual_seed(0)
+    bucket = [
+        ("a", torch.randn(3, 5, generator=gen)),
+        ("b", torch.randn(7, generator=gen).to(torch.bfloat16)),
+        ("c", torch.randn(4, 6, generator=gen).t()),  # not contiguous
+        ("d", torch.randn(2, generator=gen)),
+    ]
+    shared = _SharedBucket(bucket)
+    assert set(shared.buffers) == {torch.float32, torch.bfloat16}
+    got = pickle.loads(ForkingPickler.dumps(shared))
+    assert [n for n, _ in got] == [n for n, _ in bucket]
+    for (_, a), (_, b) in zip(bucket, got):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
 def test_built_from_the_config_and_refuses_to_generate_before_the_first_publish():
     """The recipe builds every engine as ``instantiate(cfg.engine, model_args=...)``; the engine
     starts without weights and the first publish must fill every parameter."""

@@ -90,6 +90,30 @@ def test_adamw_is_fused_on_cpu_and_betas_from_a_yaml_list():
     assert AdamW(_model().parameters(), fused=False).defaults["fused"] is False
 
 
+def test_torch_adamw_on_cpu_takes_foreach_with_the_same_weights():
+    """build_optimizer gives torch.optim.AdamW foreach=True on CPU when the node leaves it unset;
+    the weights after a few steps equal the per-tensor loop's bit for bit."""
+    models, opts = [], []
+    for extra in ({}, {"foreach": False}):
+        model = _model()
+        opt = build_optimizer(
+            _node("torch.optim.AdamW", weight_decay=0.1, **extra), model.parameters()
+        )
+        models.append(model)
+        opts.append(opt)
+    assert opts[0].defaults["foreach"] is True and opts[1].defaults["foreach"] is False
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        grads = [torch.randn(p.shape, generator=gen) for p in models[0].parameters()]
+        for model, opt in zip(models, opts):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+            opt.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    assert not torch.equal(next(models[0].parameters()), next(_model().parameters()))
+
+
 def test_build_optimizer_errors_name_the_problem():
     with pytest.raises(ValueError, match="no parameters"):
         build_optimizer(_node("torch.optim.AdamW"), [])

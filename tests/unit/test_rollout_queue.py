@@ -406,6 +406,39 @@ def test_prompt_ids_of_and_collate_checks():
     assert isinstance(GenerateRequest([1]).params, SamplingParams)
 
 
+def test_collate_pads_prompts_left_and_responses_right():
+    """Every field of the batch, cell by cell, for rows of different prompt/response lengths."""
+    cs = [
+        Completion("a", [7, 8, 9], [4, 5], [-0.5, -1.25], [2, 3], "stop"),
+        Completion("b", [6], [1, 2, 3], [-0.1, -0.2, -0.3], [1, 1, 2], "length"),
+        Completion("c", [5, 4], [], [], [], "stop"),
+    ]
+    b = collate_completions(cs, [0, 0, 1], [1.0, 0.5, 0.0], pad_id=99)
+    assert b.input_ids.tolist() == [
+        [7, 8, 9, 4, 5, 99],
+        [99, 99, 6, 1, 2, 3],
+        [99, 5, 4, 99, 99, 99],
+    ]
+    assert b.attention_mask.tolist() == [
+        [True, True, True, True, True, False],
+        [False, False, True, True, True, True],
+        [False, True, True, False, False, False],
+    ]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 0], [0, 0, 0, 1, 2, 3], [0, 0, 1, 0, 0, 0]]
+    assert b.response_mask.tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    expected_lp = [[-0.5, -1.25, 0.0], [-0.1, -0.2, -0.3], [0.0, 0.0, 0.0]]
+    assert torch.equal(b.rollout_logprobs, torch.tensor(expected_lp, dtype=torch.float32))
+    assert b.versions.tolist() == [[2, 3, -1], [1, 1, 2], [-1, -1, -1]]
+    assert b.rewards.tolist() == [1.0, 0.5, 0.0] and b.group_ids.tolist() == [0, 0, 1]
+    assert b.truncated.tolist() == [False, True, False]
+    assert (b.input_ids.dtype, b.attention_mask.dtype, b.response_mask.dtype) == (
+        torch.long,
+        torch.bool,
+        torch.float32,
+    )
+    assert (b.rollout_logprobs.dtype, b.versions.dtype) == (torch.float32, torch.long)
+
+
 # ---------------------------------------------------------------------------------------------
 # With a real TorchEngine on a tiny model
 

@@ -52,6 +52,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+# EWMA.distance: elements of θ̄ − θ formed at a time (256 MiB of fp32)
+_DISTANCE_GROUP_NUMEL = 64 * 2**20
+
+
 class EWMA(Correction):
     """anchor = a moving average of the weights (PPO-EWMA) with a train/inference mask and reset;
     one fp32 weight copy + one forward per step (two on a reset step).
@@ -210,13 +214,34 @@ class EWMA(Correction):
         # Σ‖θ̄ − θ‖² of the sharded (summed over ranks) and the replicated (counted once)
         # parameters, accumulated in fp64 on the device; under HSDP a shard is on `nnodes` ranks
         copies = [replicas(p) for p in actor.parameters()]
-        sq = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(2)]
-        with torch.no_grad():
-            for tb, t, sharded, n in zip(self.theta_bar, shards, sharded_flags(actor), copies):
-                # one tensor-sized fp32 temporary at a time
-                d2 = torch.linalg.vector_norm(tb - t.float()).double() ** 2
-                sq[0 if sharded else 1] += d2 / n
-        local_sharded, replicated = torch.stack(sq).tolist()
+        flags = sharded_flags(actor)
+        if shards and all(t.dtype == torch.float32 for t in [*self.theta_bar, *shards]):
+            # ‖θ̄ − θ‖ per tensor by foreach calls over groups of tensors (fp32 temporaries of at
+            # most _DISTANCE_GROUP_NUMEL elements at a time) and one host copy; the sums below
+            # then add the same float64 terms in the same order as the per-tensor loop
+            norms, group, numel = [], [], 0
+            with torch.no_grad():
+                for i, t in enumerate(shards):
+                    group.append(i)
+                    numel += t.numel()
+                    if numel >= _DISTANCE_GROUP_NUMEL or i == len(shards) - 1:
+                        diffs = torch._foreach_sub(
+                            [self.theta_bar[j] for j in group], [shards[j] for j in group]
+                        )
+                        norms += torch._foreach_norm(diffs)
+                        group, numel = [], 0
+            sums = [0.0, 0.0]
+            for d, sharded, n in zip(torch.stack(norms).double().tolist(), flags, copies):
+                sums[0 if sharded else 1] += d * d / n
+            local_sharded, replicated = sums
+        else:
+            sq = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(2)]
+            with torch.no_grad():
+                for tb, t, sharded, n in zip(self.theta_bar, shards, flags, copies):
+                    # one tensor-sized fp32 temporary at a time
+                    d2 = torch.linalg.vector_norm(tb - t.float()).double() ** 2
+                    sq[0 if sharded else 1] += d2 / n
+            local_sharded, replicated = torch.stack(sq).tolist()
         (sharded_sum,) = all_reduce_floats([local_sharded], "sum", device)
         return math.sqrt(sharded_sum + replicated)
 

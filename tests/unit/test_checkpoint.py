@@ -199,7 +199,7 @@ def test_world_size_mismatch_is_refused(tmp_path):
     ckpt = Checkpointer(tmp_path)
     path = ckpt.save(1, models={"actor": (model, optim)}, states={})
     meta = json.loads((path / "meta.json").read_text())
-    meta["world_size"] = 8
+    meta["world_size"] = meta["shard_ranks"] = 8  # as FSDP over 8 ranks writes it
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="--nproc-per-node 8"):
         ckpt.load(path, models={"actor": (model, optim)}, states={})

@@ -150,11 +150,6 @@ class PublishedWeights:
         self._copy: list[torch.Tensor] | None = None
         self._swap = ParamSwap(self.device)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the published copy and the swap buffer."""
-        return nbytes(self._copy or []) + self._swap.nbytes
-
     def take(self, actor: nn.Module, version: int) -> None:
         """Copy the actor's current local shards as the weights of ``version``."""
         shards = local_shards(actor)

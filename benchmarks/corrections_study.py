@@ -17,15 +17,15 @@ Axes:
     discrepancy  fp32: the engine computes in fp32 like the trainer (they agree to ~1e-6);
                  bf16: the engine computes in bfloat16 (engine.dtype=bf16: weights,
                  activations and KV cache; sampling in fp32 from the bf16 logits);
-                 fp8 / int8: bf16 with the linear layers rounded as a quantized serving
-                 engine rounds them (engine.quantize)
+                 fp8 / int8 / int4: bf16 with the linear layers rounded as a quantized
+                 serving engine rounds them (engine.quantize)
     seed         the run's seed (model init, prompts, sampling)
 
 Per cell (mean over seeds): final reward (mean of the last ``--smooth`` steps, with a 95%
 Student-t interval over the seeds), steps until the trailing mean reward reaches 80% of the
 synchronous baseline's final reward, collapses, mean retained fraction, PPO clip fraction, EWMA
-resets, mean |a - mu|, the measured staleness histogram (from each step's rollout/staleness_*),
-the fraction of samples whose tokens span several versions, wall time, bytes held by the
+resets, mean and largest |a - mu|, the measured staleness histogram (from each step's
+rollout/staleness_*), the fraction of samples whose tokens span several versions, wall time, bytes held by the
 correction, peak RSS. The synchronous baseline's per-step clip fraction and approximate KL
 (median and 90th percentile) are printed as the calibration table.
 
@@ -83,9 +83,11 @@ DISCREPANCY: dict[str, list[str]] = {
     "fp32": [],
     "bf16": ["engine.dtype=bf16"],
     # a quantized serving engine: bf16 compute from FP8 (weights per channel, activations per
-    # token) or int8 (weights) rounded linear layers (engine.quantize, minippo.engine.quantize)
+    # token), int8 (weights per channel) or int4 (weights per group of 32) rounded linear
+    # layers (engine.quantize, minippo.engine.quantize)
     "fp8": ["engine.dtype=bf16", "+engine.quantize=fp8"],
     "int8": ["engine.dtype=bf16", "+engine.quantize=int8"],
+    "int4": ["engine.dtype=bf16", "+engine.quantize=int4"],
 }
 REGIMES: dict[str, list[str]] = {
     "bound": [],
@@ -134,6 +136,28 @@ def cells(
                     if (s == 0) == (m == "none"):
                         out.append(Cell(d, s, m, reg))
     return out
+
+
+def finished_cells(out: Path) -> list[Cell]:
+    """The cells with a finished run under ``out/runs``, read back from their folder names
+    (``{discrepancy}_s{staleness}_{method}[_{regime}]``), in the order :func:`cells` gives."""
+    found = []
+    for d in sorted((out / "runs").glob("*_s*_*")):
+        if not any(d.glob("seed*/result.json")):
+            continue
+        disc, _, rest = d.name.partition("_s")
+        st, _, method = rest.partition("_")
+        regime = "bound"
+        for reg in REGIMES:
+            if reg != "bound" and method.endswith(f"_{reg}"):
+                method, regime = method[: -len(reg) - 1], reg
+        if disc in DISCREPANCY and st.isdigit() and method in METHODS:
+            found.append(Cell(disc, int(st), method, regime))
+    rank = {m: i for i, m in enumerate(METHODS)}
+    disc_rank = {d: i for i, d in enumerate(DISCREPANCY)}
+    return sorted(
+        found, key=lambda c: (disc_rank[c.discrepancy], c.staleness, c.regime, rank[c.method])
+    )
 
 
 def overrides(cell: Cell, seed: int, steps: int, extra: list[str]) -> list[str]:
@@ -247,6 +271,8 @@ def summarize(cell: Cell, runs: list[RecipeRun], reference: float, smooth: int) 
         "clip_frac": mean(clip),
         "ewma_resets": mean([max(r.series("correction/ewma_resets"), default=0.0) for r in ok]),
         "abs_diff": mean([mean(r.series("correction/abs_diff_mean")) for r in ok]),
+        # the tail: each run's largest per-token |a - mu|, mean over seeds
+        "abs_diff_max": mean([max(r.series("correction/abs_diff_max"), default=0.0) for r in ok]),
         "staleness_hist": dict(sorted(hist.items())),
         "staleness_uniform": uniform,
         "wall_s": mean([r.wall_s for r in runs]),
@@ -273,6 +299,7 @@ def table(rows: list[dict]) -> str:
         "clip frac",
         "EWMA resets",
         "mean |a-μ|",
+        "max |a-μ|",
         "measured staleness (value:steps)",
         "mixed-version samples",
         "wall s/run",
@@ -294,6 +321,7 @@ def table(rows: list[dict]) -> str:
                 f"{r['clip_frac']:.3f}",
                 f"{r['ewma_resets']:.1f}" if r["method"].startswith("ewma") else "—",
                 f"{r['abs_diff']:.4f}",
+                f"{r['abs_diff_max']:.3f}",
                 hist_text(r["staleness_hist"]) + ("" if r["staleness_uniform"] else " (mixed)"),
                 "—" if math.isnan(r["multi_version"]) else f"{r['multi_version']:.3f}",
                 f"{r['wall_s']:.0f}",
@@ -452,6 +480,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT / "corrections_study")
     p.add_argument("--resume", action="store_true", help="reuse finished runs found in --out")
     p.add_argument("--write-docs", action="store_true", help="also save the PNGs in docs/img/")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: report every finished run under --out/runs (the cells of several "
+        "invocations together; --steps and --smooth as they ran)",
+    )
     args = p.parse_args()
     extra = list(args.set)
     if args.quick:
@@ -463,11 +497,24 @@ def main() -> None:
     if args.steps < args.smooth:
         print(f"note: --steps {args.steps} < {args.smooth}: trailing means cover every step so far")
 
-    grid = cells(args.staleness, args.methods, args.discrepancy, args.regime)
+    if args.report:
+        grid = finished_cells(args.out)
+        args.discrepancy = sorted({c.discrepancy for c in grid}, key=list(DISCREPANCY).index)
+        args.resume = True
+        seeds_found = [len(list((args.out / "runs" / c.name).glob("seed*"))) for c in grid]
+        args.seeds = max(seeds_found, default=0)
+    else:
+        grid = cells(args.staleness, args.methods, args.discrepancy, args.regime)
     if not grid:
         sys.exit(f"empty grid: staleness {args.staleness} x methods {args.methods}")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     jobs = [(c, s) for s in seeds for c in grid]  # seed-major: a cut-short study has every cell
+    if args.report:  # only the runs that finished (failed ones count as failed)
+        jobs = [
+            (c, s)
+            for c, s in jobs
+            if (args.out / "runs" / c.name / f"seed{s}" / "result.json").is_file()
+        ]
     print(f"machine: {machine()}")
     print(
         f"{len(grid)} cells x {len(seeds)} seeds = {len(jobs)} runs of {args.steps} steps, "
@@ -480,7 +527,8 @@ def main() -> None:
         cached = d / "result.json"
         if args.resume and cached.is_file():
             data = json.loads(cached.read_text())
-            if data["returncode"] == 0 and len(data["metrics"]) == args.steps:
+            ok = data["returncode"] == 0 and len(data["metrics"]) == args.steps
+            if ok or args.report:
                 return cell, RecipeRun(**{**data, "out_dir": Path(data["out_dir"])})
         run = run_recipe(overrides(cell, seed, args.steps, extra), d, config=args.config)
         cached.write_text(json.dumps({**run.__dict__, "out_dir": str(run.out_dir)}))

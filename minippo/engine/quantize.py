@@ -1,8 +1,8 @@
-"""Simulated low-precision rollouts: the engine samples from FP8 or int8 rounded weights and
-activations while the trainer scores in its own precision.
+"""Simulated low-precision rollouts: the engine samples from FP8, int8 or int4 rounded weights
+(and FP8 activations) while the trainer scores in its own precision.
 
 Production engines often serve rollouts in FP8 (weights per output channel, activations per
-token, both scaled to the format's range) or int8 weight-only; the trainer then computes the
+token, both scaled to the format's range) or int8 / int4 weight-only; the trainer then computes the
 anchor logprobs in bf16/fp32, and the two disagree by 1e-2 nats per token or more. This module
 reproduces that gap on any device by rounding *in place* to the format and back ("fake
 quantization"): the arithmetic stays in the engine's compute dtype, only the values are those a
@@ -18,6 +18,8 @@ Formats:
               as FP8 W8A8 serving does.
     int8      symmetric int8 (max 127), weights per output channel only (weight-only int8;
               activations are left alone).
+    int4      symmetric int4 (codes -7..7), weights only, one scale per group of 32 inputs
+              of an output channel (W4A16, as AWQ / GPTQ checkpoints are served).
 
 What is rounded: every linear layer's weight (attention and MLP projections) except the output
 layer (``lm_head``, which FP8 serving keeps in high precision and which a tied model shares with
@@ -39,10 +41,10 @@ __all__ = [
     "quantize_linear_weights_",
 ]
 
-QUANT_FORMATS = ("fp8", "int8")
-_FP8 = torch.float8_e4m3fn
-_FP8_MAX = torch.finfo(_FP8).max  # 448
-_INT8_MAX = 127.0
+QUANT_FORMATS = ("fp8", "int8", "int4")
+_FLOAT8 = {"fp8": torch.float8_e4m3fn}  # float8 formats (E4M3's largest finite value: 448)
+_INT_MAX = {"int8": 127.0, "int4": 7.0}  # symmetric integer codes -qmax..qmax
+INT4_GROUP = 32  # int4 shares one scale per this many consecutive inputs (W4A16 group size)
 
 
 def check_quant_format(fmt: str | None) -> str | None:
@@ -59,17 +61,21 @@ def check_quant_format(fmt: str | None) -> str | None:
 @torch.no_grad()
 def fake_quantize(t: torch.Tensor, fmt: str) -> torch.Tensor:
     """``t`` rounded to ``fmt`` with one absmax scale per row (the last dimension shares a
-    scale) and returned in ``t``'s dtype. A row of zeros stays zeros."""
+    scale; for int4, each group of :data:`INT4_GROUP` consecutive entries of a row, when the
+    row divides into them) and returned in ``t``'s dtype. A row of zeros stays zeros."""
     check_quant_format(fmt)
     x = t.float()
+    if fmt == "int4" and x.shape[-1] % INT4_GROUP == 0:
+        x = x.unflatten(-1, (-1, INT4_GROUP))
     amax = x.abs().amax(dim=-1, keepdim=True)
-    qmax = _FP8_MAX if fmt == "fp8" else _INT8_MAX
+    f8 = _FLOAT8.get(fmt)
+    qmax = torch.finfo(f8).max if f8 is not None else _INT_MAX[fmt]
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-    if fmt == "fp8":
-        q = (x / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8).float()
+    if f8 is not None:
+        q = (x / scale).clamp(-qmax, qmax).to(f8).float()
     else:
-        q = torch.round(x / scale).clamp(-_INT8_MAX, _INT8_MAX)
-    return (q * scale).to(t.dtype)
+        q = torch.round(x / scale).clamp(-qmax, qmax)
+    return (q * scale).reshape(t.shape).to(t.dtype)
 
 
 def _quantized_linears(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
@@ -95,14 +101,14 @@ def quantize_linear_weights_(model: nn.Module, fmt: str) -> int:
 
 
 def quantize_linear_inputs(model: nn.Module, fmt: str) -> list[torch.utils.hooks.RemovableHandle]:
-    """With ``fmt == "fp8"``, round the input of every linear layer (the output layer excluded)
+    """With a float8 ``fmt``, round the input of every linear layer (the output layer excluded)
     per token before it runs; returns the hook handles (``remove()`` undoes). ``int8`` is
     weight-only: no hooks, an empty list."""
     check_quant_format(fmt)
-    if fmt != "fp8":
+    if fmt not in _FLOAT8:
         return []
 
     def hook(_module: nn.Module, args: tuple) -> tuple:
-        return (fake_quantize(args[0], "fp8"), *args[1:])
+        return (fake_quantize(args[0], fmt), *args[1:])
 
     return [module.register_forward_pre_hook(hook) for _, module in _quantized_linears(model)]

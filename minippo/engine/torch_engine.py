@@ -190,7 +190,7 @@ class _Server:
         packable = onednn_linear_available(self.device, self.dtype)
         self.linear_kernel = "onednn_packed" if packable else "torch"
         self.packed = pack_linears(self.model) if packable else []
-        if quantize is not None:  # FP8: every linear layer's input rounded per token
+        if quantize is not None:  # float8: every linear layer's input rounded per token
             quantize_linear_inputs(self.model, quantize)
         # compile=True: dynamic shapes, so that waves of any length and compaction reuse one graph
         # (sizes 0/1 are still specialised: a single row runs eagerly instead of recompiling)
@@ -654,10 +654,11 @@ class TorchEngine:
                         docs/benchmarks.md); same logprobs, publishes and sleep / wake unchanged.
         seed:           seeds the per-request seeds of requests without one.
         start_timeout:  seconds to wait for the engine process to allocate its model.
-        quantize:       null, "fp8" or "int8" (config key ``engine.quantize``): sample from
-                        linear layers rounded as a quantized serving engine would
+        quantize:       null, "fp8", "int8" or "int4" (config key ``engine.quantize``):
+                        sample from linear layers rounded as a quantized serving engine would
                         (:mod:`minippo.engine.quantize`: FP8 E4M3 weights per channel and
-                        activations per token, or int8 weights), while the trainer scores in
+                        activations per token, int8 weights per channel, or int4 weights per
+                        group of 32), while the trainer scores in
                         its own precision. For studying the train-inference gap; the output
                         layer, embeddings and norms are not rounded.
     """

@@ -39,6 +39,34 @@ def test_fp8_error_is_the_e4m3_rounding():
     assert (q != x).any()
 
 
+def test_int4_error_is_half_a_step_of_its_group():
+    """int4 shares one scale per 32 consecutive inputs: each value moves by at most half a step
+    of its group's scale (absmax / 7), takes one of 15 codes, and a group's maximum is exact.
+    Its error is far above int8's on the same values (the point of the format here)."""
+    from minippo.engine.quantize import INT4_GROUP
+
+    x = _rows()
+    q = fake_quantize(x, "int4")
+    groups = x.unflatten(-1, (-1, INT4_GROUP))
+    scale = (groups.abs().amax(-1, keepdim=True) / 7.0).expand_as(groups).reshape(x.shape)
+    assert (q - x).abs().le(scale / 2 * (1 + 2**-20)).all()
+    assert q[3].eq(0).all()
+    codes = (q.unflatten(-1, (-1, INT4_GROUP)) / scale.unflatten(-1, (-1, INT4_GROUP))).nan_to_num()
+    assert codes.round().sub(codes).abs().max() < 1e-4 and codes.abs().max() <= 7 + 1e-4
+    i = groups.abs().argmax(-1, keepdim=True)
+    qg = q.unflatten(-1, (-1, INT4_GROUP))
+    torch.testing.assert_close(qg.gather(-1, i), groups.gather(-1, i), rtol=2**-22, atol=0)
+    assert (q - x).abs().mean() > 4 * (fake_quantize(x, "int8") - x).abs().mean()
+    # a row that does not divide into groups shares one scale
+    odd = torch.randn(3, 33)
+    assert (
+        (fake_quantize(odd, "int4") - odd)
+        .abs()
+        .le(odd.abs().amax(-1, keepdim=True) / 14 * (1 + 2**-20))
+        .all()
+    )
+
+
 def test_int8_error_is_half_a_step():
     x = _rows()
     q = fake_quantize(x, "int8")
@@ -52,7 +80,7 @@ def test_int8_error_is_half_a_step():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dtype_and_shape_are_kept(dtype):
     x = _rows().to(dtype)
-    for fmt in ("fp8", "int8"):
+    for fmt in ("fp8", "int8", "int4"):
         q = fake_quantize(x, fmt)
         assert q.dtype == dtype and q.shape == x.shape
 
@@ -80,18 +108,20 @@ def test_only_the_linear_layers_are_rounded():
 
 
 def test_fp8_activation_hooks_round_each_linear_input():
+    fmt = "fp8"
     torch.manual_seed(0)
     lin = nn.Sequential(nn.Linear(32, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False))
     x = torch.randn(4, 5, 32)
-    handles = quantize_linear_inputs(lin, "fp8")
+    handles = quantize_linear_inputs(lin, fmt)
     assert len(handles) == 2
     got = lin(x)
-    want = lin[2](fake_quantize(lin[1](lin[0](fake_quantize(x, "fp8"))), "fp8"))
+    want = lin[2](fake_quantize(lin[1](lin[0](fake_quantize(x, fmt))), fmt))
     for h in handles:
         h.remove()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.equal(lin(x), got)  # the hooks did change something, and are gone
     assert quantize_linear_inputs(lin, "int8") == []  # weight-only
+    assert quantize_linear_inputs(lin, "int4") == []
 
 
 def test_bad_format_names_the_key():

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import corrections_study as study  # noqa: E402
+import corrections_study as study
 
 
 def _finish(out: Path, cell, seed: int = 0) -> None:

@@ -3,13 +3,15 @@ everything else, by phase of the step.
 
     python benchmarks/step_overhead.py                          # the working tree, 3 runs
     python benchmarks/step_overhead.py --ref main --ref HEAD    # two commits, runs interleaved
+    python benchmarks/step_overhead.py --ref . --ref ". compile=true" --warm 5   # config A/B
     python benchmarks/step_overhead.py --quick                  # one short run (CI smoke)
 
 Each run is ``recipes/async_ppo.py`` with ``configs/tiny_cpu.yaml`` (fixed seed, no checkpoint
 until the last step, no progress bar), built in a child process from the code of the ref it
 measures: ``--ref REF`` exports that commit (``git archive``) into a temporary folder and runs
-the recipe and the ``minippo`` package found there; without ``--ref`` it runs this checkout's
-working tree. Runs of several refs are interleaved (A B, B A, A B, ...) and every figure
+the recipe and the ``minippo`` package found there; without ``--ref``, or with ``--ref .``, it
+runs this checkout's working tree. Words after the ref are config overrides for its runs
+(``--ref "HEAD compile=true"``). Runs of several refs are interleaved (A B, B A, A B, ...) and every figure
 is the median over runs of the median over steps, so that a machine shared with other jobs
 moves them all alike.
 
@@ -158,6 +160,7 @@ def child(args: argparse.Namespace) -> dict:
             "progress_bar=false",
             "checkpoint.every_n_steps=100000",
             "checkpoint.export_hf=false",
+            *args.override,
         ],
     )
     recipe = recipe_mod.AsyncPPORecipe(cfg)
@@ -272,10 +275,10 @@ def export_ref(ref: str, into: Path) -> Path:
     return dest
 
 
-def run_child(repo: Path, out: Path, args: argparse.Namespace) -> dict:
+def run_child(repo: Path, out: Path, args: argparse.Namespace, overrides: list[str]) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--repo", str(repo)]
     cmd += ["--out", str(out), "--warm", str(args.warm), "--plain", str(args.plain)]
-    cmd += ["--profiled", str(args.profiled)]
+    cmd += ["--profiled", str(args.profiled), *(f"--override={o}" for o in overrides)]
     env = dict(os.environ, PYTHONPATH=str(repo))
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
@@ -357,7 +360,8 @@ def main() -> None:
         "--ref",
         action="append",
         default=[],
-        help="a commit to measure (repeat for before/after); default: the working tree",
+        help='a commit to measure (repeat for before/after; "." = the working tree), then '
+        'config overrides for its runs: --ref "HEAD compile=true"; default: the working tree',
     )
     parser.add_argument("--runs", type=int, default=3, help="runs per ref (interleaved)")
     parser.add_argument("--warm", type=int, default=3, help="first steps not measured")
@@ -367,6 +371,7 @@ def main() -> None:
     parser.add_argument("--repo", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--top", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print("RESULT=" + json.dumps(child(args)), flush=True)
@@ -377,13 +382,17 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="step_overhead_") as tmp:
         tmp = Path(tmp)
-        repos = {ref: export_ref(ref, tmp / "src") for ref in args.ref} or {"working tree": REPO}
-        runs: dict[str, list[dict]] = {label: [] for label in repos}
+        specs = {spec: spec.split() for spec in args.ref} or {"working tree": ["."]}
+        trees: dict[str, Path] = {}
+        for ref, *_ in specs.values():
+            if ref not in trees:
+                trees[ref] = REPO if ref == "." else export_ref(ref, tmp / "src")
+        runs: dict[str, list[dict]] = {label: [] for label in specs}
         for i in range(args.runs):
-            order = list(repos.items())
-            for label, repo in order if i % 2 == 0 else order[::-1]:  # A B, B A, ...
-                out = tmp / "runs" / f"{label.replace('/', '_').replace(' ', '_')}_{i}"
-                runs[label].append(run_child(repo, out, args))
+            order = list(specs.items())
+            for j, (label, (ref, *overrides)) in enumerate(order if i % 2 == 0 else order[::-1]):
+                out = tmp / "runs" / f"{i}_{j}"
+                runs[label].append(run_child(trees[ref], out, args, overrides))
     results = {label: median_result(r) for label, r in runs.items()}
     print(f"# Per-step overhead of `async_ppo --config tiny_cpu`\n\nmachine: {machine()}")
     print(f"load average at start: {load_before:.2f}; wall {time.perf_counter() - t0:.0f} s")

@@ -11,9 +11,14 @@ alike), each in its own process tree:
     trlN   trl.GRPOTrainer with transformers ``generate()`` (its default generation path) and N
            torch threads (``--trl-threads``, default 1)
 
-Both minippo settings use the correction ``rollout_logprobs`` (the PPO ratio against the engine's
-logprobs, no extra scoring forward), ``ppo.minibatches=1``, ``ppo.whiten_advantages=false``: one
-optimizer step per batch, as TRL with ``steps_per_generation`` = gradient accumulation steps.
+Both minippo settings use ``ppo.minibatches=1``, ``ppo.whiten_advantages=false``: one optimizer
+step per batch, as TRL with ``steps_per_generation`` = gradient accumulation steps. sync uses the
+correction ``rollout_logprobs`` (the PPO ratio against the engine's logprobs, no extra scoring
+forward: on-policy, like TRL's ratio of 1); async uses ``--async-correction`` (default ``tis``:
+the ratio against the weights at the start of the step, one scoring forward more, with the
+truncated importance weight to the sampling version; ``rollout_logprobs`` anchors the clip at the
+previous version, which on ``long`` clips a quarter of the tokens and learns less per step).
+``--fused-loss`` sets ``ppo.fused_loss=true`` for both minippo settings.
 
 Two workloads:
 
@@ -328,9 +333,20 @@ class Run:
         return out
 
 
-def minippo_overrides(w: Workload, folder: Path, setting: str) -> list[str]:
+CORRECTIONS = {"rollout_logprobs": "RolloutLogprobs", "tis": "TIS"}
+
+
+def minippo_overrides(
+    w: Workload,
+    folder: Path,
+    setting: str,
+    *,
+    async_correction: str = "tis",
+    fused_loss: bool = False,
+) -> list[str]:
     reward = [f"reward.{k}={v}" for k, v in w.reward.items() if k != "_component_"]
     staleness = {"sync": 0, "async": 1}[setting]
+    correction = "rollout_logprobs" if setting == "sync" else async_correction
     return [
         f"seed={w.seed}",
         f"total_steps={w.steps}",
@@ -357,15 +373,18 @@ def minippo_overrides(w: Workload, folder: Path, setting: str) -> list[str]:
         f"rollout.stop_at_eos={str(w.stop_at_eos).lower()}",
         "rollout.temperature=1.0",
         f"rollout.max_staleness={staleness}",
-        # the PPO ratio's denominator is the engine's logprobs: no extra scoring forward, like
-        # TRL with one generation per optimizer step (its ratio is 1 by construction)
+        f"ppo.fused_loss={str(fused_loss).lower()}",
+        # sync: the PPO ratio's denominator is the engine's logprobs, no extra scoring forward,
+        # like TRL with one generation per optimizer step (its ratio is 1 by construction)
         "~correction",
-        "+correction._component_=minippo.rl.correction.RolloutLogprobs",
+        f"+correction._component_=minippo.rl.correction.{CORRECTIONS[correction]}",
     ]
 
 
-def run_minippo(w: Workload, folder: Path, setting: str, out: Path, threads: int) -> Run:
-    r = run_recipe(minippo_overrides(w, folder, setting), out, threads=threads)
+def run_minippo(
+    w: Workload, folder: Path, setting: str, out: Path, threads: int, **options: Any
+) -> Run:
+    r = run_recipe(minippo_overrides(w, folder, setting, **options), out, threads=threads)
     if r.returncode != 0 or len(r.metrics) < w.steps:
         raise RuntimeError(f"minippo {setting} run failed ({out}):\n{r.log_tail}")
     step_s = r.series("perf/step_s")
@@ -546,6 +565,7 @@ def run_workload(
     repeats: int,
     threads: int,
     parallel: bool,
+    **options: Any,
 ) -> dict[str, list[Run]]:
     folder = out / f"{w.name}_init"
     n_params = export_problem(w, folder)
@@ -565,7 +585,7 @@ def run_workload(
             if setting.startswith("trl"):
                 run = run_trl(w, folder, d, int(setting[3:]))
             else:
-                run = run_minippo(w, folder, setting, d, threads)
+                run = run_minippo(w, folder, setting, d, threads, **options)
             pss.sample()
             run.pss_mib = pss.peak.get(str(d), 0) / 2**20
             f = run.figures(w)
@@ -646,6 +666,15 @@ def main() -> None:
         help="TRL torch thread counts, one setting each (minippo: 1 trainer thread + its engine "
         "process); 2 threads on 2 shared cores oversubscribe them (docs/benchmarks.md)",
     )
+    p.add_argument(
+        "--async-correction",
+        choices=sorted(CORRECTIONS),
+        default="tis",
+        help="the correction of the async setting (sync: rollout_logprobs)",
+    )
+    p.add_argument(
+        "--fused-loss", action="store_true", help="ppo.fused_loss=true for both minippo settings"
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT / "vs_trl")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -662,9 +691,22 @@ def main() -> None:
     settings = ["sync", "async", *(f"trl{n}" for n in trl_threads)]
     print(f"machine: {machine()}")
     print(f"trl {trl.__version__}; minippo trainer {a.threads} thread(s) + its engine process")
+    print(
+        f"minippo: sync correction rollout_logprobs, async correction {a.async_correction}, "
+        f"ppo.fused_loss={str(a.fused_loss).lower()}"
+    )
     for name in names:
         w = quick_workload(WORKLOADS[name]) if a.quick else WORKLOADS[name]
-        runs = run_workload(w, a.out, settings, repeats, a.threads, parallel=a.quick)
+        runs = run_workload(
+            w,
+            a.out,
+            settings,
+            repeats,
+            a.threads,
+            parallel=a.quick,
+            async_correction=a.async_correction,
+            fused_loss=a.fused_loss,
+        )
         print(report(w, runs))
         lr_trl = runs[settings[-1]][0].extra["lr"]
         print(f"TRL lr per step: {', '.join(f'{x:.3g}' for x in lr_trl[:4])} ...", flush=True)

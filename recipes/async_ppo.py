@@ -324,13 +324,16 @@ class AsyncPPORecipe:
         )
 
     def _build_model(self, args, path, *, seed: int, critic: bool = False, trainable: bool = True):
-        """Meta-device build → activation checkpointing → FSDP2 shards → weights (an HF folder,
-        read one tensor at a time, or a seeded init that equals an unsharded one)."""
+        """Meta-device build → activation checkpointing → compiled blocks → FSDP2 shards →
+        weights (an HF folder, read one tensor at a time, or a seeded init that equals an
+        unsharded one)."""
         with torch.device("meta"):
             model = models.ValueModel(args) if critic else models.Transformer(args)
         model.requires_grad_(trainable)
         if trainable and self.cfg.activation_checkpointing:  # recompute each block in backward
             parallel.apply_activation_checkpointing(model)
+        if self.cfg.get("compile", False):  # fuse each block's small ops, forward and backward
+            parallel.compile_blocks(model)
         if self.dist.distributed:  # a plain single process trains unsharded, in fp32
             dtype = torch_dtype(self.cfg.dtype)
             parallel.shard_model(model, mesh=self.mesh, param_dtype=dtype, sum_gradients=True)

@@ -12,6 +12,7 @@ Public names:
     gather_full_state_dict(model, *, dtype=None, device="cpu", rank0_only=False)
         -> {native_name: Tensor}
     apply_activation_checkpointing(model) -> model   (per decoder block; before shard_model)
+    compile_blocks(model) -> model   (torch.compile per decoder block; before shard_model)
     union_over_ranks(values, device) -> sorted list   (every rank's ints, e.g. weight versions)
     build_mesh(sharding, world_size=None, local_world_size=None) -> DeviceMesh   (parallel.sharding:
         "fsdp" 1-D over all ranks, "hsdp" (replicate = nnodes, shard = nproc_per_node))
@@ -25,6 +26,7 @@ Public names:
 """
 
 from minippo.parallel.activation_checkpointing import apply_activation_checkpointing
+from minippo.parallel.compile import compile_blocks
 from minippo.parallel.distributed import (
     DistInfo,
     destroy_distributed,
@@ -53,6 +55,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "assert_not_meta",
     "build_mesh",
+    "compile_blocks",
     "destroy_distributed",
     "export_hf",
     "full_tensor_buckets",

@@ -56,6 +56,7 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
     "total_steps": Int(min=1),
     "dtype": Dtype(),
     "activation_checkpointing": Bool(),
+    "compile": Bool(optional=True),
     "publish_bucket_mb": Float(gt=0),
     "cpu_threads": Int(min=1, null=True),
     "checkpoint_path": Str(null=True),

@@ -227,6 +227,33 @@ def test_activation_checkpointing_run_matches_plain_run(tmp_path):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
 
 
+@pytest.mark.slow  # compiles the actor's and critic's blocks: ~1 min on a loaded 2-core machine
+def test_compiled_run_matches_plain_run(tmp_path):
+    """``compile: true``: the same 2 steps as the eager run, up to the fp32 rounding of the fused
+    blocks (tests/unit/test_compile_blocks.py); checkpoints and the HF export keep their names."""
+    common = [*FAST, "total_steps=2", "checkpoint.export_hf=true"]
+    runs = [
+        [*common, f"output_dir={tmp_path / 'plain'}"],
+        [*common, f"output_dir={tmp_path / 'compiled'}", "compile=true"],
+    ]
+    assert run_recipes(runs, timeout=900) == [None, None]
+    plain = read_jsonl(tmp_path / "plain" / "metrics.jsonl")
+    compiled = read_jsonl(tmp_path / "compiled" / "metrics.jsonl")
+    for a, b in zip(plain, compiled):
+        assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
+        for k in ("train/policy_loss", "train/value_loss", "train/grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    # the HF export holds the same tensor names (no _orig_mod prefix from compiling)
+    from safetensors import safe_open
+
+    def names(run: str) -> list[str]:
+        files = sorted((tmp_path / run / "hf_export").glob("*.safetensors"))
+        assert files, run
+        return sorted(k for f in files for k in safe_open(f, "pt").keys())  # noqa: SIM118
+
+    assert names("compiled") == names("plain")
+
+
 RESUME_CASES = {
     "EWMA": [],
     # its snapshot of version 1 serves the saved batch of step 2

@@ -348,7 +348,9 @@ class RolloutQueue(QueueSettings):
         self._next_step = 0  # the step the trainer asks for next
         self._next_slot = 0  # the batch the producer generates next
         self._generating = False
-        self._inflight_version = 0  # the version the batch being generated started with
+        # the version the batch in hand started with, from taking its prompts until it is in
+        # _ready (generation, then reward scoring and collation): its tokens are referenced
+        self._unqueued_version: int | None = None
         self._held = False  # engine_idle(): the producer starts nothing
         self._prompt_iter: Iterator[Any] | None = None
         # cumulative counters (exposed by metrics())
@@ -479,16 +481,17 @@ class RolloutQueue(QueueSettings):
             self._cond.notify_all()
 
     def referenced_versions(self) -> set[int]:
-        """The weight versions that tokens of the ready batches and of the batch being generated
-        may carry (what keep_old_actor must keep a snapshot of, besides the latest)."""
+        """The weight versions that tokens of the ready batches and of the batch in hand (being
+        generated, or already generated and being scored and collated) may carry: what
+        keep_old_actor must keep a snapshot of, besides the latest."""
         with self._cond:
             lows = [
                 int(b.batch.versions[b.batch.versions >= 0].min())
                 for b in self._ready.values()
                 if bool((b.batch.versions >= 0).any())
             ]
-            if self._generating:
-                lows.append(self._inflight_version)
+            if self._unqueued_version is not None:
+                lows.append(self._unqueued_version)
             return set(range(min(lows, default=self._version), self._version + 1))
 
     def metrics(self) -> dict[str, float]:
@@ -599,13 +602,13 @@ class RolloutQueue(QueueSettings):
                     if waited:
                         self._capacity_wait_s += time.perf_counter() - t0
                     start_version = self._version
-                    self._inflight_version = start_version
                     items = self._take_prompts()
                     if items is None:
                         self._exhausted_at = slot
                         self._cond.notify_all()
                         return
                     self._generating = True
+                    self._unqueued_version = start_version
                 requests, owners = self._requests(slot, items)
                 t_gen = time.perf_counter()
                 try:
@@ -620,6 +623,7 @@ class RolloutQueue(QueueSettings):
                 batch = self._assemble(slot, items, owners, completions, gen_s, start_version)
                 with self._cond:
                     self._ready[slot] = batch
+                    self._unqueued_version = None
                     self._next_slot = slot + 1
                     self._cond.notify_all()
         except BaseException as e:  # surfaced by get_batch in the trainer's thread

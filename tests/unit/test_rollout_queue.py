@@ -213,6 +213,42 @@ def test_async_generates_ahead_and_counts_capacity_waits():
     q.close()
 
 
+def test_a_batch_being_scored_keeps_its_version_referenced():
+    """Between the engine's return and the batch's arrival in the ready set (rewards scored,
+    rows collated) the batch's version is still referenced: a publish in that window must not
+    let keep_old_actor evict the snapshot its tokens need (a run at max_staleness 4 once failed
+    at step 2 with "no anchor from a snapshot of their own version")."""
+    eng = FakeEngine()
+    scoring, release = threading.Event(), threading.Event()
+
+    def slow_reward(sample):
+        scoring.set()
+        assert release.wait(timeout=30)
+        return 0.0
+
+    q = RolloutQueue(
+        eng,
+        prompts(8),
+        groups_per_batch=2,
+        samples_per_prompt=1,
+        sampling=SamplingParams(max_new_tokens=3),
+        reward_fn=slow_reward,
+        max_staleness=4,
+    )
+    q.start()
+    try:
+        assert scoring.wait(timeout=30)  # batch 0 generated under version 0, now being scored
+        q.publish([], version=1)
+        q.publish([], version=2)
+        assert 0 in q.referenced_versions()
+        release.set()
+        qb = q.get_batch(0, timeout=30)
+        assert qb.batch.versions[qb.batch.versions >= 0].unique().tolist() == [0]
+    finally:
+        release.set()
+        q.close()
+
+
 def test_partial_rollout_keeps_per_token_versions():
     """A publish during a long generation splits responses into old-version | new-version runs."""
     eng = FakeEngine(step_s=0.0005)

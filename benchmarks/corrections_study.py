@@ -448,8 +448,10 @@ def _series(run: RecipeRun, key: str) -> list[float]:
 
 
 def _curve(ax, runs: list[RecipeRun], key: str, label: str, smooth: int, **kw) -> None:
-    """Mean over seeds of the trailing mean, with the seeds' range shaded."""
-    series = [trailing_mean(_series(r, key), smooth) for r in runs if _series(r, key)]
+    """Mean over seeds of the trailing mean, with the seeds' range shaded (failed runs left
+    out: their short series would cut every curve at their last step)."""
+    ok = [r for r in runs if r.returncode == 0]
+    series = [trailing_mean(_series(r, key), smooth) for r in ok if _series(r, key)]
     if not series:
         return
     n = min(len(s) for s in series)

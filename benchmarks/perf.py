@@ -19,10 +19,15 @@ in one run (both sides interleaved, so that a busy machine slows both alike).
                update with activation checkpointing per decoder block (the config's
                ``activation_checkpointing: true``): its speed and peak bytes against the same
                transformers side.
+5. compile:    the fused-loss PPO update (forward + backward + AdamW step) with every decoder
+               block compiled (the config's ``compile: true``, ``parallel.compile_blocks``) vs
+               the same update eager, on the 19M-parameter model of benchmarks/vs_trl.py's long
+               workload (hidden 512, 6 layers, 8 x 134 tokens). Compiling takes tens of seconds,
+               so ``--quick`` leaves this section out unless ``--only compile`` asks for it.
 
     python benchmarks/perf.py --quick       # seconds
     python benchmarks/perf.py               # the figures in docs/benchmarks.md
-    python benchmarks/perf.py --only ppo    # one section (engine, async, correction, ppo)
+    python benchmarks/perf.py --only ppo    # one section (engine, async, correction, ppo, compile)
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from _common import (
     run_recipe,
 )
 
-SECTIONS = ("engine", "async", "correction", "ppo")
+SECTIONS = ("engine", "async", "correction", "ppo", "compile")
 
 
 # ------------------------------------------------------------------------------ 1. engine
@@ -369,11 +374,81 @@ def ppo_update(quick: bool, threads: int) -> list[list]:
     ]
 
 
+def compile_update(quick: bool) -> list[list]:
+    """The fused-loss update with compiled decoder blocks vs eager, same weights and batch."""
+    import dataclasses
+
+    from minippo.models import (
+        FusedLossSpec,
+        Transformer,
+        fused_policy_loss,
+        init_weights,
+        qwen3_tiny,
+        token_logprobs,
+    )
+    from minippo.parallel import compile_blocks
+
+    shape = dict(dim=64, n_layers=2) if quick else dict(dim=512, n_layers=6, n_heads=8)
+    shape |= dict(n_kv_heads=4 if not quick else 2, head_dim=64 if not quick else 16)
+    shape |= dict(intermediate_size=1536 if not quick else 128, vocab_size=51)
+    args = dataclasses.replace(qwen3_tiny(), **shape)
+    B, P, R = (4, 6, 16) if quick else (8, 6, 128)
+    iters = 2 if quick else 6
+    eager = init_weights(Transformer(args), seed=0)
+    compiled = compile_blocks(copy.deepcopy(eager))
+    b = ppo_batch(B, P, R, args.vocab_size)
+    with torch.no_grad():
+        old = token_logprobs(
+            eager, b["ids"], attention_mask=b["attn"], position_ids=b["pos"], start=P
+        )
+    old = old * b["resp"]
+    opts = {m: torch.optim.AdamW(m.parameters(), lr=1e-5) for m in (eager, compiled)}
+
+    def step(model) -> float:
+        opts[model].zero_grad(set_to_none=True)
+        spec = FusedLossSpec(anchor_logprobs=old, advantages=b["adv"], response_mask=b["resp"])
+        out = fused_policy_loss(
+            model, b["ids"], spec, attention_mask=b["attn"], position_ids=b["pos"], start=P
+        )
+        out.loss.backward()
+        opts[model].step()
+        return float(out.loss.detach())
+
+    t0 = time.perf_counter()
+    l_eager, l_comp = step(eager), step(compiled)  # the compiled side compiles here
+    first_s = time.perf_counter() - t0
+    step(compiled)  # a second call: no shape change, no recompile
+    times = {eager: [], compiled: []}
+    for _ in range(iters):
+        for m in (eager, compiled):
+            t = time.perf_counter()
+            step(m)
+            times[m].append(time.perf_counter() - t)
+    tokens = int(b["attn"].sum())
+    e_tps = tokens / statistics.median(times[eager])
+    c_tps = tokens / statistics.median(times[compiled])
+    print(
+        f"Qwen3 {args.n_layers} layers, hidden {args.dim}, vocab {args.vocab_size}, fp32; batch "
+        f"{B} x {P + R} tokens; fused loss, AdamW; median of {iters} interleaved pairs; first "
+        f"steps (compile included) {first_s:.1f} s; first-step loss eager {l_eager:.6f}, "
+        f"compiled {l_comp:.6f}"
+    )
+    return [
+        [
+            "PPO update tokens/s, compiled blocks vs eager",
+            f"{c_tps:.0f}",
+            f"{e_tps:.0f}",
+            c_tps / e_tps,
+            "—",
+        ]
+    ]
+
+
 # ------------------------------------------------------------------------------ main
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes, seconds")
-    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=None)
     p.add_argument("--threads", type=int, default=1, help="torch threads of every measured side")
     p.add_argument(
         "--new-tokens",
@@ -383,6 +458,8 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT / "perf")
     args = p.parse_args()
+    if args.only is None:  # compiling takes tens of seconds: not part of the quick smoke run
+        args.only = [s for s in SECTIONS if not (args.quick and s == "compile")]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"machine: {machine()}")
@@ -399,8 +476,10 @@ def main() -> None:
             got = async_vs_sync(args.quick, args.threads, new, args.out)
         elif section == "correction":
             got = correction_vs_copy(args.quick)
-        else:
+        elif section == "ppo":
             got = ppo_update(args.quick, args.threads)
+        else:
+            got = compile_update(args.quick)
         print(markdown_table(heads, got), flush=True)
         rows += got
     print(f"\n## summary (load average at the end {load_average():.2f})")

@@ -33,17 +33,7 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     module with an ``nn.ModuleList`` ``.layers``). Call before FSDP2 sharding; calling it twice is
     an error (a block would be recomputed twice).
     """
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise TypeError(
-            "apply_activation_checkpointing expects a model with a non-empty nn.ModuleList "
-            f".layers (a Transformer or ValueModel), got {type(model).__name__}"
-        )
-    if any(type(block).__name__.startswith("FSDP") for block in layers):
-        raise RuntimeError(
-            "apply_activation_checkpointing must run before FSDP2 sharding (shard_model / "
-            "fully_shard): call it on the unsharded model"
-        )
+    layers = unsharded_blocks(model, "apply_activation_checkpointing")
     for i, block in enumerate(layers):
         if is_activation_checkpointed(block):
             raise RuntimeError(
@@ -52,6 +42,24 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
             )
         checkpoint(block)
     return model
+
+
+def unsharded_blocks(model: nn.Module, caller: str) -> nn.ModuleList:
+    """``model.layers``, checked for what a per-block transform (activation checkpointing,
+    compiling) needs: a non-empty ``nn.ModuleList`` not yet sharded by FSDP2. Errors name
+    ``caller``."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise TypeError(
+            f"{caller} expects a model with a non-empty nn.ModuleList .layers (a Transformer or "
+            f"ValueModel), got {type(model).__name__}"
+        )
+    if any(type(block).__name__.startswith("FSDP") for block in layers):
+        raise RuntimeError(
+            f"{caller} must run before FSDP2 sharding (shard_model / fully_shard): call it on "
+            "the unsharded model"
+        )
+    return layers
 
 
 def is_activation_checkpointed(module: nn.Module) -> bool:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from minippo.parallel.activation_checkpointing import unsharded_blocks
+
 __all__ = ["compile_blocks", "is_compiled"]
 
 
@@ -32,18 +34,7 @@ def compile_blocks(model: nn.Module) -> nn.Module:
     For :class:`~minippo.models.Transformer` and :class:`~minippo.models.ValueModel` (any module
     with a non-empty ``nn.ModuleList`` ``.layers``). Call before FSDP2 sharding, once.
     """
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise TypeError(
-            "compile_blocks expects a model with a non-empty nn.ModuleList .layers "
-            f"(a Transformer or ValueModel), got {type(model).__name__}"
-        )
-    if any(type(block).__name__.startswith("FSDP") for block in layers):
-        raise RuntimeError(
-            "compile_blocks must run before FSDP2 sharding (shard_model / fully_shard): "
-            "call it on the unsharded model"
-        )
-    for i, block in enumerate(layers):
+    for i, block in enumerate(unsharded_blocks(model, "compile_blocks")):
         if is_compiled(block):
             raise RuntimeError(f"layers.{i} is already compiled; compile_blocks was called twice")
         block.compile(dynamic=None)

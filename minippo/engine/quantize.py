@@ -102,8 +102,8 @@ def quantize_linear_weights_(model: nn.Module, fmt: str) -> int:
 
 def quantize_linear_inputs(model: nn.Module, fmt: str) -> list[torch.utils.hooks.RemovableHandle]:
     """With a float8 ``fmt``, round the input of every linear layer (the output layer excluded)
-    per token before it runs; returns the hook handles (``remove()`` undoes). ``int8`` is
-    weight-only: no hooks, an empty list."""
+    per token before it runs; returns the hook handles (``remove()`` undoes). ``int8`` and
+    ``int4`` are weight-only: no hooks, an empty list."""
     check_quant_format(fmt)
     if fmt not in _FLOAT8:
         return []

@@ -15,9 +15,10 @@ Both minippo settings use ``ppo.minibatches=1``, ``ppo.whiten_advantages=false``
 step per batch, as TRL with ``steps_per_generation`` = gradient accumulation steps. sync uses the
 correction ``rollout_logprobs`` (the PPO ratio against the engine's logprobs, no extra scoring
 forward: on-policy, like TRL's ratio of 1); async uses ``--async-correction`` (default ``tis``:
-the ratio against the weights at the start of the step, one scoring forward more, with the
-truncated importance weight to the sampling version; ``rollout_logprobs`` anchors the clip at the
-previous version, which on ``long`` clips a quarter of the tokens and learns less per step).
+the ratio against the weights at the start of the step, with the truncated importance weight to
+the sampling version; with one optimizer step per batch those are the training forward's own
+weights, so no scoring forward is added; ``rollout_logprobs`` anchors the clip at the previous
+version, which on ``long`` clips a quarter of the tokens and learns less per step).
 ``--fused-loss`` sets ``ppo.fused_loss=true`` for both minippo settings.
 
 Two workloads:

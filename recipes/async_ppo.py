@@ -26,7 +26,7 @@ from minippo.config import canonical_dtype, instantiate, torch_dtype
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
 from minippo.plan import is_sglang, rollout_mode
-from minippo.rl.correction import FixedAnchors, build_correction
+from minippo.rl.correction import build_correction
 from minippo.training import preflight
 from minippo.training.alternating_queue import AlternatingQueue
 from minippo.training.checkpoint import Checkpointer, RNGState
@@ -617,8 +617,10 @@ class AsyncPPORecipe:
     def _actor_backward_fused(self, mb, rows, corr, advantages, ref_logprobs, agg):
         """``_actor_backward`` with ``ppo.fused_loss``: the same loss, gradients and statistics
         from ``models.fused_policy_loss`` (the lm_head and the loss in one chunked pass, nothing
-        recomputed in backward). A correction whose anchor follows the current policy (not
-        ``FixedAnchors``) gets the micro-batch's logprobs from one extra no-grad forward first."""
+        recomputed in backward). Anchors that follow the current policy are formed token by token
+        inside that pass; only a correction whose weights need whole rows of them (``tis`` at
+        sequence level with one update per step) gets the micro-batch's logprobs from one extra
+        no-grad forward first."""
         ppo, kl_cfg, m = self.ppo, self.kl, mb.response_mask
         score = dict(
             attention_mask=mb.attention_mask,
@@ -627,18 +629,23 @@ class AsyncPPORecipe:
             start=mb.prompt_len,
         )
         rows = rows.to(self.device)
-        if isinstance(corr, FixedAnchors):
-            c = corr.minibatch(rows)
+        token_anchors = corr.token_anchors(rows)
+        if token_anchors is not None:
+            anchors = dict(anchor_logprobs=None, token_anchors=token_anchors)
         else:
-            with torch.no_grad():
-                c = corr.minibatch(rows, models.token_logprobs(self.actor, mb.input_ids, **score))
+            lp = None
+            if corr.follows_policy:
+                with torch.no_grad():
+                    lp = models.token_logprobs(self.actor, mb.input_ids, **score)
+            c = corr.minibatch(rows, lp)
+            anchors = dict(
+                anchor_logprobs=c.anchor_logprobs, weights=c.weights, keep_mask=c.keep_mask
+            )
         with_kl = self.use_ref and kl_cfg.mode == "loss"
         spec = models.FusedLossSpec(
-            anchor_logprobs=c.anchor_logprobs,
+            **anchors,
             advantages=advantages,
             response_mask=m,
-            weights=c.weights,
-            keep_mask=c.keep_mask,
             eps_low=ppo.clip_low,
             eps_high=ppo.clip_high,
             dual_clip=ppo.dual_clip,
@@ -648,6 +655,8 @@ class AsyncPPORecipe:
             **agg,
         )
         out = models.fused_policy_loss(self.actor, mb.input_ids, spec, **score)
+        if token_anchors is not None:
+            corr.minibatch(rows, out.logprobs)  # the weight statistics of these tokens
         per_token = rl.as_metrics(out.stats)
         shares = {"train/policy_loss": per_token.pop("train/policy_loss")}
         per_token["train/entropy"] = rl.masked_mean(out.entropy, m)

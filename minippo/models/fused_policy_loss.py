@@ -24,10 +24,15 @@ aggregation coefficient ∂aggregate/∂L_t of ``rl.aggregate`` with the global 
 
 The loss value and the statistics come from ``rl.policy_loss`` / ``rl.kl_loss`` applied to the
 (detached) logprobs, so they are the unfused path's numbers.
+
+Anchors that follow the policy (``token_anchors``, e.g. ``tis`` with one update per step, whose
+anchor is the training forward's own sg(lp)) are formed from each chunk's logprobs before its token
+gradient: a, w and k of a token depend on its own logprob only, so nothing is scored twice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -49,9 +54,12 @@ class FusedLossSpec:
     ``keep_mask`` (None: all kept), ``eps_low``, ``eps_high``, ``dual_clip``, ``agg_mode``,
     ``global_tokens``, ``global_seqs``: as in ``rl.policy_loss``; ``ref_logprobs`` (None: no KL
     term), ``kl_estimator``, ``kl_coef``: the β·``rl.kl_loss`` term added to the loss.
+    ``token_anchors``: instead of ``anchor_logprobs``, ``weights`` and ``keep_mask`` (all None
+    then), ``(lp Float32[n], sl) -> (anchor, weight, keep)`` of the flattened ``[B·R]`` tokens
+    ``sl`` from their detached logprobs, token by token (``PolicyAnchors.token_anchors``).
     """
 
-    anchor_logprobs: torch.Tensor
+    anchor_logprobs: torch.Tensor | None
     advantages: torch.Tensor
     response_mask: torch.Tensor
     weights: torch.Tensor | None = None
@@ -65,6 +73,9 @@ class FusedLossSpec:
     ref_logprobs: torch.Tensor | None = None
     kl_estimator: str = "k3"
     kl_coef: float = 0.0
+    token_anchors: (
+        Callable[[torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None
+    ) = None
 
 
 class FusedPolicyOutput(NamedTuple):
@@ -131,24 +142,52 @@ def _agg_coef(spec: FusedLossSpec, like: torch.Tensor) -> torch.Tensor:
     return coef
 
 
+def _masked(
+    t: dict[str, torch.Tensor],
+    anchor: torch.Tensor,
+    weights: torch.Tensor | None,
+    keep: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """``t`` with the anchor, weight and keep-mask inputs set; rejected and padded tokens get
+    finite neutral values (advantage 0, anchor 0, weight 1)."""
+    valid = t["valid"]
+    kept = valid if keep is None else valid & (keep > 0)
+    zero = torch.zeros_like(t["adv_raw"])
+    return {
+        **t,
+        "kept": kept,
+        "adv": torch.where(kept, t["adv_raw"], zero),
+        "anchor": torch.where(kept, anchor.detach(), zero),
+        "w": zero + 1.0 if weights is None else torch.where(kept, weights.detach(), 1.0),
+    }
+
+
 def _prepare(spec: FusedLossSpec, shape: torch.Size) -> dict[str, torch.Tensor]:
-    """Flattened [N] per-token inputs; rejected and padded tokens get finite neutral values."""
+    """Flattened [N] per-token inputs (the anchors' ones left to each chunk with
+    ``token_anchors``)."""
     m = spec.response_mask
-    valid = m > 0
-    kept = valid if spec.keep_mask is None else valid & (spec.keep_mask > 0)
     zero = torch.zeros(shape, dtype=torch.float32, device=m.device)
     # dtypes as the unfused ops promote them (float32 logprobs with float32 or wider inputs)
     out = {
-        "valid": valid,
-        "kept": kept,
-        "adv": torch.where(kept, spec.advantages.detach(), zero),
-        "anchor": torch.where(kept, spec.anchor_logprobs.detach(), zero),
-        "w": zero + 1.0 if spec.weights is None else torch.where(kept, spec.weights.detach(), 1.0),
+        "valid": m > 0,
+        "adv_raw": zero + spec.advantages.detach(),
         "coef": _agg_coef(spec, zero),
     }
     if spec.ref_logprobs is not None:
-        out["ref"] = torch.where(valid, spec.ref_logprobs.detach(), zero)
+        out["ref"] = torch.where(out["valid"], spec.ref_logprobs.detach(), zero)
+    if spec.token_anchors is None:
+        out = _masked(out, spec.anchor_logprobs, spec.weights, spec.keep_mask)
     return {k: v.reshape(-1) for k, v in out.items()}
+
+
+def _chunk_inputs(
+    prep: dict[str, torch.Tensor], sl: slice, lp: torch.Tensor, spec: FusedLossSpec
+) -> dict[str, torch.Tensor]:
+    """The inputs of the chunk ``sl``; anchors that follow the policy formed from its ``lp``."""
+    t = {k: v[sl] for k, v in prep.items()}
+    if spec.token_anchors is None:
+        return t
+    return _masked(t, *spec.token_anchors(lp, sl))
 
 
 class _FusedPolicyLoss(torch.autograd.Function):
@@ -183,7 +222,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
             if not need_grad:
                 continue
             # g in the logprobs' float32, as autograd hands it to the logprob's own backward
-            g = _token_grad(lp, {k: v[sl] for k, v in prep.items()}, spec).to(lp.dtype)
+            g = _token_grad(lp, _chunk_inputs(prep, sl, lp, spec), spec).to(lp.dtype)
             # ∂loss/∂logits = g · (onehot − p) / T, then in the lm_head's dtype (autograd's order)
             dz = p.mul_(-g[:, None])
             dz.scatter_add_(-1, tc[:, None], g[:, None])
@@ -219,6 +258,14 @@ class _FusedPolicyLoss(torch.autograd.Function):
 
 def check_fused_spec(spec: FusedLossSpec, shape: torch.Size) -> None:
     """Raise ValueError on fused-loss inputs ``rl.policy_loss`` / ``rl.kl_loss`` would refuse."""
+    fixed = (spec.anchor_logprobs, spec.weights, spec.keep_mask)
+    if spec.token_anchors is not None and any(t is not None for t in fixed):
+        raise ValueError(
+            "fused loss: token_anchors replaces anchor_logprobs, weights and keep_mask; leave "
+            "those None"
+        )
+    if spec.token_anchors is None and spec.anchor_logprobs is None:
+        raise ValueError("fused loss: set anchor_logprobs (or token_anchors)")
     for name in ("anchor_logprobs", "advantages", "response_mask", "weights", "keep_mask"):
         t = getattr(spec, name)
         if t is not None and t.shape != shape:
@@ -253,16 +300,19 @@ def fused_policy_loss_from_hidden(
     def finish(lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
         # the unfused functions on the detached logprobs: same loss value, same statistics
         logp = lp.view(B, R)
+        anchors = (spec.anchor_logprobs, spec.weights, spec.keep_mask)
+        if spec.token_anchors is not None:
+            anchors = tuple(x.view(B, R) for x in spec.token_anchors(lp, slice(None)))
         loss, stats = policy_loss(
             logp,
-            spec.anchor_logprobs,
+            anchors[0],
             spec.advantages,
             spec.response_mask,
             eps_low=spec.eps_low,
             eps_high=spec.eps_high,
             dual_clip=spec.dual_clip,
-            weights=spec.weights,
-            keep_mask=spec.keep_mask,
+            weights=anchors[1],
+            keep_mask=anchors[2],
             agg_mode=spec.agg_mode,
             global_tokens=spec.global_tokens,
             global_seqs=spec.global_seqs,

@@ -5,8 +5,10 @@ gathered the lm_head, and its gradient goes through the same reduce-scatter).
 Each case runs one recipe step on the 8 fixed rollouts of tests.helpers twice, fused and unfused,
 from the same weights; the SGD updates must agree. Cases: GAE + critic with the default EWMA
 correction and gradient clipping active; critic-free GRPO with the KL in the loss (k3), TIS
-weights and seq-mean-token-mean; loglinear_prox (an anchor that follows the current policy, the
-fused path's extra no-grad forward) with the dual clip and seq-mean-token-sum.
+weights and seq-mean-token-mean (one update per step: the anchor is the training forward's own
+logprob, formed chunk by chunk inside the fused pass); loglinear_prox (an anchor that follows the
+current policy, also formed inside the pass) with the dual clip and seq-mean-token-sum; TIS at
+sequence level in mask mode (weights that need whole rows: the fused path's extra no-grad forward).
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ CASES = {
         "~correction.reset_below",
         "ppo.dual_clip=1.5",
         "ppo.loss_agg_mode=seq-mean-token-sum",
+        "ppo.max_grad_norm=1e9",
+    ],
+    "tis_sequence_mask": [
+        "advantage_estimator=grpo",
+        "correction._component_=minippo.rl.correction.TIS",
+        "~correction.reset_below",
+        "+correction.level=geometric",
+        "+correction.mode=mask",
+        "+correction.low=0.5",
         "ppo.max_grad_norm=1e9",
     ],
 }

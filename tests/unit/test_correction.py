@@ -183,9 +183,18 @@ def test_metrics_hand_computed():
     def fixed_score(model, b):
         return mu + d
 
-    corr = TIS(level="token", mode="mask", low=0.6, cap=2.0, score_fn=fixed_score)
+    tis = dict(level="token", mode="mask", low=0.6, cap=2.0)
+    corr = TIS(**tis, updates_per_step=2, score_fn=fixed_score)  # two updates: a scoring pass
     out = corr.prepare(batch, torch.nn.Linear(1, 1), step=2)
     m = out.metrics()
+    # one update per step: the training forward's logprobs are the anchor, no scoring pass;
+    # the same tokens give the same metrics
+    current = TIS(**tis, score_fn=fixed_score).prepare(batch, torch.nn.Linear(1, 1), step=2)
+    assert current.minibatch(slice(0, 1), (mu + d)[:1]).anchor_logprobs[0, 3] == 0
+    current.minibatch(slice(1, 2), (mu + d)[1:])
+    m_current = current.metrics()
+    assert m_current.pop("correction/forward_passes") == 0
+    assert m_current == pytest.approx({k: v for k, v in m.items() if "forward" not in k})
     # 5 tokens: ρ = 3 (masked high), 0.5 (masked low), 1, e^0.2, e^-0.1 kept
     kept_w = [1.0, math.exp(0.2), math.exp(-0.1)]
     assert m["correction/tokens"] == 5
@@ -252,10 +261,51 @@ def test_current_weight_anchor_methods_score_once(cls):
     model = make_model()
     counter = ForwardCounter(model)
     batch = make_batch([[0, 0, 1, -1], [1, 1, 1, 1]])
-    out = cls(temperature=0.7).prepare(batch, model, step=1)
+    out = cls(temperature=0.7, updates_per_step=2).prepare(batch, model, step=1)
     assert counter.n == 1
     expected = score(model, batch, temperature=0.7) * batch.response_mask
     assert torch.equal(out.anchor_logprobs, expected)
+
+
+@pytest.mark.parametrize(
+    "level,mode",
+    [("token", "truncate"), ("token", "mask"), ("sequence", "truncate"), ("geometric", "mask")],
+)
+def test_tis_one_update_anchors_the_training_forward(level, mode):
+    """With one optimizer update per step the anchor is the step-start weights, which is what
+    the training forward runs at: ``tis`` takes its detached logprobs instead of scoring the batch
+    first. Given the same logprobs, anchors, weights and keep-mask equal the scoring pass's."""
+    model = make_model()
+    counter = ForwardCounter(model)
+    batch = make_batch([[0, 0, 1, -1], [1, 1, 1, 1], [0, 1, -1, -1]])
+    g = torch.Generator().manual_seed(3)
+    noise = 0.05 * torch.randn(batch.response_mask.shape, generator=g)
+    lp = score(model, batch, temperature=0.7)
+    batch.rollout_logprobs = torch.where(batch.response_mask > 0, lp + noise, 0.0)
+    counter.n = 0
+    opts = dict(temperature=0.7, level=level, mode=mode, low=0.97, cap=1.03)
+    out = TIS(**opts).prepare(batch, model, step=1)
+    assert counter.n == 0 and out.metrics()["correction/forward_passes"] == 0
+    want = TIS(**opts, updates_per_step=2).prepare(batch, model, step=1)
+    rows = torch.tensor([2, 0])
+    got = out.minibatch(rows, lp[rows].requires_grad_())
+    ref = want.minibatch(rows)
+    for name in ("anchor_logprobs", "weights", "keep_mask"):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=0, atol=0)
+    assert not got.anchor_logprobs.requires_grad
+    valid = batch.response_mask[rows] > 0
+    assert (ref.keep_mask[valid] > 0).any() and (ref.weights[valid] != 1).any()  # weights bind
+    if mode == "mask" and level == "token":
+        assert (ref.keep_mask[valid] == 0).any()
+    # token by token (the fused loss's chunks) only for token-level weights
+    anchors = out.token_anchors(rows)
+    assert (anchors is None) == (level != "token")
+    if anchors is not None:
+        flat = lp[rows].reshape(-1)
+        parts = [anchors(flat[i : i + 3], slice(i, i + 3)) for i in range(0, flat.numel(), 3)]
+        for j, name in enumerate(("anchor_logprobs", "weights", "keep_mask")):
+            chunked = torch.cat([p[j] for p in parts]).view_as(lp[rows])
+            torch.testing.assert_close(chunked, getattr(ref, name), rtol=0, atol=0)
 
 
 def test_greedy_temperature_scores_at_one():
@@ -694,7 +744,7 @@ def test_anchors_shared_by_every_epoch_and_minibatch(cls):
 def test_loglinear_prox_minibatch_needs_policy_logprobs():
     batch = make_batch([[0, 1, 1, 1]])
     out = LogLinearProx().prepare(batch, torch.nn.Linear(1, 1), step=1)
-    with pytest.raises(ValueError, match="needs the minibatch's current logprobs"):
+    with pytest.raises(ValueError, match="minibatch needs its logprobs"):
         out.minibatch(slice(0, 1))
 
 

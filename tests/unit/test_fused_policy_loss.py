@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from functools import partial
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ from minippo.models.fused_policy_loss import fused_policy_loss_from_hidden
 from minippo.models.logprobs import logprobs_from_hidden
 from minippo.parallel import apply_activation_checkpointing
 from minippo.parallel.activation_checkpointing import is_activation_checkpointed
+from minippo.rl.correction import CurrentAnchors, ProximalAnchors, truncated_is_weights
 from tests.helpers import fixed_rollout_batch
 
 AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -233,6 +235,53 @@ def test_hidden_and_lm_head_gradients(dtype):
         # matmuls then round their sums, float32 accumulation for the lm_head here
         bound = 2 * n * u * want.abs().max()
         assert (got.float() - want).abs().max() <= bound
+
+
+@pytest.mark.parametrize("which", ["tis", "loglinear_prox"])
+def test_token_anchors_equal_the_unfused_minibatch(setup, which):
+    """Anchors that follow the policy (``tis`` with one update per step: a = sg(lp); and
+    ``loglinear_prox``), formed chunk by chunk inside the fused pass, against the unfused path:
+    the training forward's logprobs, ``out.minibatch(rows, lp)``, ``rl.policy_loss``. Chunks of 7
+    tokens straddle rows. Same bound as above."""
+    model, batch, kw, x = setup
+    m = batch.response_mask
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        lp0, _ = token_logprobs_and_entropy(model, batch.input_ids, start=batch.prompt_len, **kw)
+    mu = torch.where(m > 0, lp0 + 0.3 * torch.randn(m.shape, generator=g), 0.0)
+    if which == "tis":
+        fn = partial(truncated_is_weights, level="token", mode="mask", low=0.8, cap=1.25)
+        corr = CurrentAnchors(mu, m, fn, tokenwise=True, bound_kind="masked")
+    else:
+        corr = ProximalAnchors(torch.rand(m.shape, generator=g), mu, m, 1.25)
+    rows = torch.arange(m.shape[0])
+    base = dict(advantages=x["adv"], response_mask=x["mask"], eps_low=0.2, eps_high=0.28)
+    base |= dict(dual_clip=1.3, agg_mode="seq-mean-token-mean", global_seqs=x["seqs"])
+    score = dict(start=batch.prompt_len, chunk_size=7, **kw)
+
+    lp, _ = token_logprobs_and_entropy(model, batch.input_ids, **score)
+    c = corr.minibatch(rows, lp)
+    assert 0 < float(c.keep_mask.sum()) < float(m.sum()) or which != "tis"  # the mask binds
+    assert (c.weights[m > 0] != 1).any()
+    ref_spec = FusedLossSpec(c.anchor_logprobs, weights=c.weights, keep_mask=c.keep_mask, **base)
+    loss, st, _ = _unfused(lp, ref_spec)
+    loss.backward()
+    ref_grads = _grads(model)
+
+    spec = FusedLossSpec(None, token_anchors=corr.token_anchors(rows), **base)
+    out = fused_policy_loss(model, batch.input_ids, spec, **score)
+    out.loss.backward()
+    grads = _grads(model)
+    assert out.loss.item() == pytest.approx(loss.item(), rel=1e-12, abs=1e-14)
+    for field in st._fields:
+        torch.testing.assert_close(getattr(out.stats, field), getattr(st, field), rtol=0, atol=0)
+    u, V = torch.finfo(torch.float32).eps / 2, model.args.vocab_size
+    for name, g_ref in ref_grads.items():
+        bound = 4 * V * u * g_ref.abs().max()
+        assert (grads[name] - g_ref).abs().max() <= bound, name
+    with pytest.raises(ValueError, match="token_anchors replaces"):
+        bad = FusedLossSpec(x["anchor"], token_anchors=corr.token_anchors(rows), **base)
+        fused_policy_loss(model, batch.input_ids, bad, **score)
 
 
 def test_no_grad_returns_values_only(setup):

@@ -7,6 +7,7 @@ taken against, a per-token weight w_t and a keep-mask k_t:
     method            anchor a_t                          weight w_t / keep k_t
     rollout_logprobs  μ_t (engine logprob)                1 / 1
     tis               log π_{θ_k} (weights at step start)  truncated or masked ρ = exp(a − μ)
+                      (one update per step: the training forward's own sg(log π_θ), no pass)
     keep_old_actor    log π_{θ_{v_t}} (exact snapshot)    min(ρ, cap) / 1
     ewma              log π_θ̄ (weight moving average)    ρ on 1/c ≤ ρ ≤ c, else 0 / same
     loglinear_prox    μ + α_t·(sg(log π_θ) − μ)           min(exp(a − μ), cap) / 1
@@ -15,7 +16,8 @@ taken against, a per-token weight w_t and a keep-mask k_t:
 The package, by concern:
     weights.py         the pure per-token math (one shared log-ratio), weight statistics
     base.py            ``Correction``: options check, declarations (``WeightCopies``), hooks
-    outputs.py         what ``prepare`` returns: ``FixedAnchors`` or ``ProximalAnchors``
+    outputs.py         what ``prepare`` returns: ``FixedAnchors``, or anchors that follow the
+                       policy (``PolicyAnchors``: ``CurrentAnchors``, ``ProximalAnchors``)
     simple.py          RolloutLogprobs, TIS, LogLinearProx, NoCorrection (no stored weights)
     keep_old_actor.py  KeepOldActor;  ewma.py  EWMA  (weight copies: ``minippo.parallel``)
     contract.py        the fail-fast contract and ``build_correction``
@@ -59,9 +61,12 @@ from minippo.rl.correction.ewma import EWMA
 from minippo.rl.correction.keep_old_actor import KeepOldActor
 from minippo.rl.correction.outputs import (
     CorrectionOutput,
+    CurrentAnchors,
     FixedAnchors,
     MinibatchCorrection,
+    PolicyAnchors,
     ProximalAnchors,
+    TokenAnchors,
 )
 from minippo.rl.correction.simple import TIS, LogLinearProx, NoCorrection, RolloutLogprobs
 from minippo.rl.correction.weights import (
@@ -82,13 +87,16 @@ __all__ = [
     "TIS",
     "Correction",
     "CorrectionOutput",
+    "CurrentAnchors",
     "FixedAnchors",
     "KeepOldActor",
     "LogLinearProx",
     "MinibatchCorrection",
     "NoCorrection",
+    "PolicyAnchors",
     "ProximalAnchors",
     "RolloutLogprobs",
+    "TokenAnchors",
     "WeightCopies",
     "WeightStats",
     "Weights",

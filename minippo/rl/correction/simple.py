@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from minippo.rl.correction.base import Correction, WeightCopies, number, one_of
-from minippo.rl.correction.outputs import FixedAnchors, ProximalAnchors
+from minippo.rl.correction.outputs import CurrentAnchors, FixedAnchors, ProximalAnchors
 from minippo.rl.correction.weights import (
     TIS_LEVELS,
     TIS_MODES,
@@ -100,7 +101,12 @@ class NoCorrection(_NoStoredWeights):
 
 class TIS(_NoStoredWeights):
     """anchor = the trainer's weights at the step start; truncated (or masked) importance weights
-    exp(anchor − μ); one forward per step.
+    exp(anchor − μ); one forward per step, none when the step makes one optimizer update.
+
+    With ``updates_per_step == 1`` every micro-batch's forward runs at the step-start weights, so
+    the anchor is the detached logprob of the training forward itself (``CurrentAnchors``, the
+    case verl calls on-policy): no scoring pass. Otherwise one no-grad forward at the step start
+    scores the batch (``FixedAnchors``).
 
     Args: level ("token" | "sequence" | "geometric"), mode ("truncate" | "mask"), low (≥ 0),
     cap (> low), plus the arguments of ``Correction``.
@@ -139,21 +145,21 @@ class TIS(_NoStoredWeights):
             )
         return o
 
-    passes = 1  # extra no-grad forward passes of the actor per step
+    passes = 1  # extra no-grad forward passes of the actor per step, worst case (0 on one update)
 
-    def compute(self, batch: RolloutBatch, actor: nn.Module, step: int) -> FixedAnchors:
-        anchor = self.score(actor, batch)
-        w = truncated_is_weights(
-            anchor,
-            batch.rollout_logprobs.float(),
-            batch.response_mask,
-            level=self.level,
-            mode=self.mode,
-            low=self.low,
-            cap=self.cap,
+    def compute(
+        self, batch: RolloutBatch, actor: nn.Module, step: int
+    ) -> FixedAnchors | CurrentAnchors:
+        weight_fn = partial(
+            truncated_is_weights, level=self.level, mode=self.mode, low=self.low, cap=self.cap
         )
         kind = "masked" if self.mode == "mask" else "truncated"
-        return FixedAnchors.from_weights(batch, anchor, w, kind)
+        mu, mask = batch.rollout_logprobs.float(), batch.response_mask
+        if self.updates_per_step == 1:
+            tokenwise = self.level == "token"
+            return CurrentAnchors(mu, mask, weight_fn, tokenwise=tokenwise, bound_kind=kind)
+        anchor = self.score(actor, batch)
+        return FixedAnchors.from_weights(batch, anchor, weight_fn(anchor, mu, mask), kind)
 
 
 class LogLinearProx(_NoStoredWeights):

@@ -202,7 +202,8 @@ def run_recipe(
     if metrics_file.exists():
         metrics_file.unlink()  # the JsonlLogger appends only on resume; start clean
     cmd = [sys.executable, "-m", "minippo", "run", "async_ppo", "--config", config]
-    cmd += [f"output_dir={out_dir}", *QUIET_RUN, *overrides]
+    # the folder is this benchmark's scratch space: a run replaces the outputs of the last one
+    cmd += [f"output_dir={out_dir}", "overwrite_output_dir=true", *QUIET_RUN, *overrides]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     log_path = out_dir / "run.log"
     t0 = time.perf_counter()

@@ -33,7 +33,10 @@ Per run: seconds per step (median over the steps after the first ``warm``), gene
 (tokens / time over the same steps), the first step whose 3-step mean reward reaches the
 threshold and the training time up to it (start-up excluded), the wall time of the whole process,
 and the peak PSS of its process tree (trainer and engine processes; /proc/*/smaps_rollup sampled
-every 0.25 s). Needs ``trl`` (``pip install -e .[bench]``).
+every 0.25 s). Where a step goes, medians: "gen s/step", the generation (minippo: the engine's
+``rollout/gen_time_s``, hidden behind the update when async; TRL: its calls of the model's
+``generate``), and "update s/step", the rest of the step (minippo: ``perf/train_s``, the PPO update
+alone; TRL: step − generation). Needs ``trl`` (``pip install -e .[bench]``).
 
     python benchmarks/vs_trl.py --quick          # 3 steps of each setting on copy, in parallel
     python benchmarks/vs_trl.py                  # the table of docs/benchmarks.md
@@ -310,6 +313,8 @@ class Run:
     tokens: list[float]
     rewards: list[float]
     wall_s: float
+    gen_s: list[float] = field(default_factory=list)  # per step: generation
+    update_s: list[float] = field(default_factory=list)  # per step: the optimizer update
     pss_mib: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -319,6 +324,8 @@ class Run:
             "s_per_step": statistics.median(times),
             "tokens_per_s": sum(toks) / sum(times),
             "final_reward": statistics.fmean(self.rewards[-5:]),
+            "gen_s": statistics.median(self.gen_s[w.warm :]) if self.gen_s else math.nan,
+            "update_s": statistics.median(self.update_s[w.warm :]) if self.update_s else math.nan,
             "wall_s": self.wall_s,
             "pss_mib": self.pss_mib,
             "threshold_step": math.nan,
@@ -344,6 +351,7 @@ def minippo_overrides(
     *,
     async_correction: str = "tis",
     fused_loss: bool = False,
+    extra: tuple[str, ...] = (),
 ) -> list[str]:
     reward = [f"reward.{k}={v}" for k, v in w.reward.items() if k != "_component_"]
     staleness = {"sync": 0, "async": 1}[setting]
@@ -379,6 +387,7 @@ def minippo_overrides(
         # like TRL with one generation per optimizer step (its ratio is 1 by construction)
         "~correction",
         f"+correction._component_=minippo.rl.correction.{CORRECTIONS[correction]}",
+        *extra,
     ]
 
 
@@ -390,7 +399,9 @@ def run_minippo(
         raise RuntimeError(f"minippo {setting} run failed ({out}):\n{r.log_tail}")
     step_s = r.series("perf/step_s")
     tokens = r.series("rollout/tokens")
-    return Run(setting, step_s, tokens, r.series("rollout/reward_mean"), r.wall_s)
+    rewards = r.series("rollout/reward_mean")
+    gen_s, update_s = r.series("rollout/gen_time_s"), r.series("perf/train_s")
+    return Run(setting, step_s, tokens, rewards, r.wall_s, gen_s=gen_s, update_s=update_s)
 
 
 def run_trl(w: Workload, folder: Path, out: Path, threads: int) -> Run:
@@ -425,6 +436,8 @@ def run_trl(w: Workload, folder: Path, out: Path, threads: int) -> Run:
         [r["tokens"] for r in recs],
         [r["reward"] for r in recs],
         wall,
+        gen_s=[r["gen_s"] for r in recs],
+        update_s=[r["step_s"] - r["gen_s"] for r in recs],
         extra={"lr": [r["lr"] for r in recs]},
     )
 
@@ -482,12 +495,14 @@ def trl_worker(spec_path: str) -> None:
         def on_step_end(self, args, state, control, **kw):
             now = time.perf_counter()
             self.step_s, self.t = now - self.t, now
+            self.gen_s, gen_time[0] = gen_time[0], 0.0
 
         def on_log(self, args, state, control, logs=None, **kw):
             if not logs or "reward" not in logs:
                 return
             rec = {
                 "step_s": self.step_s,
+                "gen_s": self.gen_s,
                 "reward": logs["reward"],
                 "tokens": logs["completions/mean_length"] * w.rows,
                 "lr": logs.get("learning_rate", math.nan),
@@ -498,6 +513,17 @@ def trl_worker(spec_path: str) -> None:
     log = StepLog()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # the tokenizer's EOS is the only stop
+    # the generation seconds of each step: GRPOTrainer samples with this model's ``generate``
+    gen_time, generate = [0.0], model.generate
+
+    def timed_generate(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            gen_time[0] += time.perf_counter() - t
+
+    model.generate = timed_generate
     config = GRPOConfig(
         output_dir=str(out / "trl"),
         use_cpu=True,
@@ -614,13 +640,16 @@ def report(w: Workload, runs: dict[str, list[Run]]) -> str:
     settings = list(runs)
     figs = {s: [r.figures(w) for r in runs[s]] for s in settings}
     med = {s: {k: statistics.median(f[k] for f in figs[s]) for k in figs[s][0]} for s in settings}
-    best_trl = min(med[s]["s_per_step"] for s in settings if s.startswith("trl"))
+    trl_steps = [med[s]["s_per_step"] for s in settings if s.startswith("trl")]
+    best_trl = min(trl_steps) if trl_steps else math.nan  # no TRL setting run: no ratio
     heads = [
         "setting",
         "s/step",
         "steps/s",
         "steps/s vs best TRL",
         "gen tokens/s",
+        "gen s/step",
+        "update s/step",
         "final reward",
         "step to threshold",
         "train s to threshold",
@@ -637,6 +666,8 @@ def report(w: Workload, runs: dict[str, list[Run]]) -> str:
                 1 / m["s_per_step"],
                 best_trl / m["s_per_step"],
                 m["tokens_per_s"],
+                m["gen_s"],
+                m["update_s"],
                 m["final_reward"],
                 "-" if math.isnan(m["threshold_step"]) else f"{m['threshold_step']:.0f}",
                 "-" if math.isnan(m["threshold_s"]) else f"{m['threshold_s']:.1f}",
@@ -676,6 +707,20 @@ def main() -> None:
     p.add_argument(
         "--fused-loss", action="store_true", help="ppo.fused_loss=true for both minippo settings"
     )
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more config overrides for both minippo settings, e.g. compile=true",
+    )
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        choices=["sync", "async", "trl"],
+        default=["sync", "async", "trl"],
+        help="which settings to run (default all three)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT / "vs_trl")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -689,12 +734,13 @@ def main() -> None:
     names = ["copy"] if a.quick else a.workloads
     repeats = 1 if a.quick else a.repeats
     trl_threads = [1] if a.quick else a.trl_threads
-    settings = ["sync", "async", *(f"trl{n}" for n in trl_threads)]
+    settings = [s for s in ("sync", "async") if s in a.settings]
+    settings += [f"trl{n}" for n in trl_threads] if "trl" in a.settings else []
     print(f"machine: {machine()}")
     print(f"trl {trl.__version__}; minippo trainer {a.threads} thread(s) + its engine process")
     print(
         f"minippo: sync correction rollout_logprobs, async correction {a.async_correction}, "
-        f"ppo.fused_loss={str(a.fused_loss).lower()}"
+        f"ppo.fused_loss={str(a.fused_loss).lower()}" + "".join(f" {x}" for x in a.set)
     )
     for name in names:
         w = quick_workload(WORKLOADS[name]) if a.quick else WORKLOADS[name]
@@ -707,10 +753,12 @@ def main() -> None:
             parallel=a.quick,
             async_correction=a.async_correction,
             fused_loss=a.fused_loss,
+            extra=tuple(a.set),
         )
         print(report(w, runs))
-        lr_trl = runs[settings[-1]][0].extra["lr"]
-        print(f"TRL lr per step: {', '.join(f'{x:.3g}' for x in lr_trl[:4])} ...", flush=True)
+        if "trl" in a.settings:
+            lr_trl = runs[settings[-1]][0].extra["lr"]
+            print(f"TRL lr per step: {', '.join(f'{x:.3g}' for x in lr_trl[:4])} ...", flush=True)
     print(f"load average at the end: {load_average():.2f}")
 
 

@@ -95,6 +95,10 @@ REGIMES: dict[str, list[str]] = {
         "rollout.mode=alternate",
         "rollout.oversample=1.5",
         "rollout.partial_rollout=true",
+        # every row in flight in one TorchEngine wave (48 groups x 8 samples on tiny_math_cpu):
+        # with 256 the first wave holds exactly the batch's groups, the extra ones never start
+        # before the stop and nothing is carried with tokens
+        "engine.max_batch_size=512",
     ],
 }
 SMOOTH = 5  # default steps of the trailing mean ("final reward", "steps to 80%", collapses)

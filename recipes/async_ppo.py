@@ -25,6 +25,7 @@ from minippo import models, parallel, rl
 from minippo.config import canonical_dtype, instantiate, torch_dtype
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
+from minippo.engine.torch_engine import TorchEngine
 from minippo.plan import is_sglang, rollout_mode
 from minippo.rl.correction import build_correction
 from minippo.training import preflight
@@ -71,10 +72,13 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
             f"({ppo.minibatches}); pick ppo.minibatches among "
             f"{[d for d in range(1, rows + 1) if rows % d == 0]}"
         )
-    elif (mb_rows := rows // ppo.minibatches) % ppo.micro_batch_size:
+    elif ppo.micro_batch_size is not None and (mb_rows := rows // ppo.minibatches) % (
+        ppo.micro_batch_size
+    ):
         problems.append(
             f"minibatch rows ({mb_rows}) must be divisible by ppo.micro_batch_size "
             f"({ppo.micro_batch_size}); pick one of {[d for d in range(1, mb_rows + 1) if mb_rows % d == 0]}"
+            " or null (the whole minibatch in one forward)"
         )
     if cfg.kl.coef > 0 and cfg.kl.mode == "loss" and cfg.kl.estimator == "k1":
         problems.append(
@@ -148,7 +152,7 @@ class AsyncPPORecipe:
     3. advantages: GAE over per-token rewards (``advantage_estimator: gae``, critic) or
        group-normalised sequence rewards (``grpo``, critic-free).
     4. PPO updates: ``ppo.epochs`` x ``ppo.minibatches`` optimizer steps, each accumulated over
-       micro-batches of ``ppo.micro_batch_size`` rows; clipped policy loss x IS weights, clipped
+       micro-batches of ``ppo.micro_batch_size`` rows (null: one forward per minibatch); clipped policy loss x IS weights, clipped
        value loss; the first ``critic.warmup_steps`` steps train only the critic. A non-finite loss
        or gradient norm skips that optimizer step; ``max_consecutive_nonfinite`` in a row stop the
        run. ``correction.after_optimizer_step`` (EWMA) after each actor step.
@@ -284,6 +288,10 @@ class AsyncPPORecipe:
             sync_every=self.sync_every,
             **queue_kw,
         )
+        if alternate and isinstance(self.engine, TorchEngine) and self.is_main:
+            groups = self.queue.in_flight  # over-provisioned groups per rank
+            rows = groups * r.samples_per_prompt
+            preflight.warn_if_oversample_waits(rows, groups, self.engine.max_batch_size)
         self.offload = None  # the trainer's state moves to the host while the engine generates
         if r.get("offload_trainer", False):
             pairs = [(m, o) for m, o in self._models().values()]
@@ -541,7 +549,7 @@ class AsyncPPORecipe:
             for rows in torch.randperm(batch.batch_size, generator=gen).chunk(ppo.minibatches):
                 counts = rl.global_counts(batch.response_mask[rows])
                 shares: dict[str, torch.Tensor] = {}  # this rank's loss shares of the minibatch
-                micros = rows.split(ppo.micro_batch_size)
+                micros = rows.split(ppo.micro_batch_size or len(rows))  # null: one forward
                 for i, micro in enumerate(micros):
                     last = i == len(micros) - 1  # HSDP: gradients cross nodes once per minibatch
                     parallel.set_replica_sync(self.actor, last)

@@ -692,6 +692,7 @@ class TorchEngine:
             raise TypeError(f"engine.compile must be true or false, got {compile!r}")
         self.args = model_args
         self.max_seq_len = int(model_args.max_seq_len)
+        self.max_batch_size = int(max_batch_size)  # rows per decode wave
         self.in_process = in_process
         self._dtype = compute_dtype(dtype)
         self._version = int(version)

@@ -161,6 +161,20 @@ def _prompt_len(cfg: DictConfig) -> int:
     )
 
 
+def _micro_batch_rows(cfg: DictConfig, world_size: int) -> int:
+    """Rows per training forward: ``ppo.micro_batch_size``, or with null this rank's minibatch
+    (groups_per_batch · samples_per_prompt / ranks / ppo.minibatches), which the recipe then
+    trains in one forward."""
+    rows = OmegaConf.select(cfg, "ppo.micro_batch_size", default=_REQUIRED)
+    if rows is _REQUIRED:
+        _select(cfg, "ppo.micro_batch_size")  # the key is missing: its error
+    if rows is not None:
+        return int(rows)
+    groups = int(_select(cfg, "rollout.groups_per_batch"))
+    samples = int(_select(cfg, "rollout.samples_per_prompt"))
+    return max(1, groups * samples // world_size // int(_select(cfg, "ppo.minibatches")))
+
+
 def _score_rows(cfg: DictConfig, world_size: int) -> int:
     """Sequences per no-grad forward: ``ppo.score_micro_batch_size`` when the config has it, else
     this rank's whole batch (groups_per_batch · samples_per_prompt / ranks), which is what the
@@ -332,7 +346,7 @@ def plan_inputs_from_config(
     if device == "cuda":
         gpu = int((gpu_mem_gib if gpu_mem_gib is not None else DEFAULT_GPU_MEM_GIB) * GiB)
     fraction = engine.get("mem_fraction_static") if device == "cuda" else None
-    micro_batch = int(_select(cfg, "ppo.micro_batch_size"))
+    micro_batch = _micro_batch_rows(cfg, ranks)
     score_rows = _score_rows(cfg, ranks)
     step = None  # what one training step runs, for the bytes it sends across nodes
     if nnodes > 1:
@@ -395,7 +409,7 @@ def _step_shape(cfg: DictConfig, ranks: int, score_rows: int) -> Any:
     groups = int(_select(cfg, "rollout.groups_per_batch"))
     return StepShape(
         rows_per_rank=max(1, groups * int(_select(cfg, "rollout.samples_per_prompt")) // ranks),
-        micro_batch=int(_select(cfg, "ppo.micro_batch_size")),
+        micro_batch=_micro_batch_rows(cfg, ranks),
         minibatches=int(_select(cfg, "ppo.minibatches")),
         epochs=int(_select(cfg, "ppo.epochs")),
         score_rows=score_rows,

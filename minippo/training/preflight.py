@@ -107,7 +107,7 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
         {
             "epochs": Int(min=1),
             "minibatches": Int(min=1),
-            "micro_batch_size": Int(min=1),
+            "micro_batch_size": Int(min=1, null=True),
             "score_micro_batch_size": Int(min=1, null=True),
             "clip_low": Float(min=0, lt=1),
             "clip_high": Float(min=0),
@@ -246,6 +246,23 @@ def warn_if_prompts_cycle(num_prompts: int, groups_per_batch: int) -> None:
             "stream cycles through it (reshuffled each epoch), so every batch repeats prompts",
             num_prompts,
             groups_per_batch,
+        )
+
+
+def warn_if_oversample_waits(rows_in_flight: int, groups: int, max_batch_size: int) -> None:
+    """``rollout.mode: alternate`` with TorchEngine, which decodes waves of at most
+    ``engine.max_batch_size`` rows, each to its end: rows beyond the first wave start only after
+    it, so over-provisioned groups there are never stopped part-way (no partial rollouts)."""
+    if rows_in_flight > max_batch_size:
+        log.warning(
+            "rollout.oversample holds %d rows (%d groups) in flight per rank but "
+            "engine.max_batch_size=%d: TorchEngine decodes waves of that many rows, so the rows "
+            "past the first wave wait for it and the extra groups carry no partial tokens; set "
+            "engine.max_batch_size=%d",
+            rows_in_flight,
+            groups,
+            max_batch_size,
+            rows_in_flight,
         )
 
 

@@ -233,3 +233,28 @@ def test_tokens_per_s_counts_the_tokens_generated_in_the_step(engine):
         )
         carried |= produced != m["rollout/tokens"]
     assert carried  # the case the rate must not get wrong occurred
+
+
+def test_rows_past_the_first_wave_carry_no_partial_tokens(caplog):
+    """TorchEngine decodes waves of ``max_batch_size`` rows, each to its end. With room for just
+    the batch's rows, the first wave holds the batch's groups and the over-provisioned ones never
+    start before the stop: no partial rollout. The recipe warns about that setting."""
+    from minippo.training import preflight
+
+    eng = TorchEngine(ARGS, in_process=True, max_batch_size=8)  # 4 groups x 2 samples
+    try:
+        queue = make_queue(eng, oversample=2.0)  # 8 groups, 16 rows in flight
+        queue.start()
+        for b in run(queue, 3):
+            assert b.metrics["rollout/multi_version_fraction"] == 0
+            assert b.metrics["rollout/carried_over"] == 4
+        assert all(s.done is None for g in queue._groups for s in g.samples)
+    finally:
+        eng.shutdown()
+    with caplog.at_level("WARNING"):
+        preflight.warn_if_oversample_waits(16, 8, max_batch_size=16)
+        assert not caplog.records
+        preflight.warn_if_oversample_waits(16, 8, max_batch_size=8)
+    (record,) = caplog.records
+    assert "engine.max_batch_size=8" in record.getMessage()
+    assert "set engine.max_batch_size=16" in record.getMessage()

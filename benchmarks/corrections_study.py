@@ -25,7 +25,8 @@ Per cell (mean over seeds): final reward (mean of the last ``--smooth`` steps, w
 Student-t interval over the seeds), steps until the trailing mean reward reaches 80% of the
 synchronous baseline's final reward, collapses, mean retained fraction, PPO clip fraction, EWMA
 resets, mean and largest |a - mu|, the measured staleness histogram (from each step's
-rollout/staleness_*), the fraction of samples whose tokens span several versions, wall time, bytes held by the
+rollout/staleness_*; when a step's tokens have several staleness values, their mean and maximum
+instead), the fraction of samples whose tokens span several versions, wall time, bytes held by the
 correction, peak RSS. The synchronous baseline's per-step clip fraction and approximate KL
 (median and 90th percentile) are printed as the calibration table.
 
@@ -238,6 +239,8 @@ def summarize(cell: Cell, runs: list[RecipeRun], reference: float, smooth: int) 
         h, u = staleness_histogram(r)
         hist.update(h)
         uniform &= u
+    stale_mean = [m for r in ok for m in r.series("rollout/staleness_mean")]
+    stale_max = [m for r in ok for m in r.series("rollout/staleness_max")]
     clip = [
         mean(
             [
@@ -258,6 +261,8 @@ def summarize(cell: Cell, runs: list[RecipeRun], reference: float, smooth: int) 
         "final_reward": mean(final),
         "final_reward_sd": statistics.stdev(final) if len(final) > 1 else 0.0,
         "final_reward_ci95": ci95(final),
+        "staleness_token_mean": mean(stale_mean),
+        "staleness_max": max(stale_max, default=0.0),
         "multi_version": mean(
             [
                 mean(r.series("rollout/multi_version_fraction"))
@@ -304,7 +309,7 @@ def table(rows: list[dict]) -> str:
         "EWMA resets",
         "mean \\|a-μ\\|",
         "max \\|a-μ\\|",
-        "measured staleness (value:steps)",
+        "measured staleness (value:steps, or mixed)",
         "mixed-version samples",
         "wall s/run",
         "correction bytes",
@@ -326,7 +331,9 @@ def table(rows: list[dict]) -> str:
                 f"{r['ewma_resets']:.1f}" if r["method"].startswith("ewma") else "—",
                 f"{r['abs_diff']:.4f}",
                 f"{r['abs_diff_max']:.3f}",
-                hist_text(r["staleness_hist"]) + ("" if r["staleness_uniform"] else " (mixed)"),
+                hist_text(r["staleness_hist"])
+                if r["staleness_uniform"]
+                else f"mixed: mean {r['staleness_token_mean']:.2f}, max {r['staleness_max']:.0f}",
                 "—" if math.isnan(r["multi_version"]) else f"{r['multi_version']:.3f}",
                 f"{r['wall_s']:.0f}",
                 f"{r['correction_bytes']:,.0f}",

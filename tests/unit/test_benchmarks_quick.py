@@ -44,7 +44,12 @@ MARKERS = {
         "| 1.5 |",
         "\nratio: ",
     ],
-    "vs_trl.py": ["| minippo sync |", "| minippo async |", "| TRL GRPOTrainer, 1 thread |"],
+    "vs_trl.py": [
+        "| minippo sync |",
+        "| minippo async |",
+        "| TRL GRPOTrainer, 1 thread |",
+        "| gen s/step | update s/step |",
+    ],
     "step_overhead.py": [
         "| phase | wall ms | matmul/attention ms | non-matmul ms |",
         "| publish |",

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from minippo.training.metrics import read_jsonl
 from tests.recipes.test_async_ppo import FAST, REPO, _env, assert_same, cli, run_recipes, stable
 
@@ -71,6 +73,7 @@ def test_partial_rollouts_span_versions_with_exact_keep_old_actor_anchors(tmp_pa
             assert r[key] >= 0
 
 
+@pytest.mark.slow  # ~20 s; learning is covered by default in test_recipe_properties.py
 def test_tiny_cpu_alternate_with_oversample_learns(tmp_path):
     """The overlap run's final reward is 0.99 (configs/tiny_cpu.yaml header); alternate mode
     with oversampling must reach at least 0.8 of it."""

@@ -21,13 +21,15 @@ weights, so no scoring forward is added; ``rollout_logprobs`` anchors the clip a
 version, which on ``long`` clips a quarter of the tokens and learns less per step).
 ``--fused-loss`` sets ``ppo.fused_loss=true`` for both minippo settings.
 
-Two workloads:
+Three workloads (the third runs only when named):
 
     copy   tiny_cpu's copy task ("3012=" -> "3012", PerPositionMatch) with GRPO: the 0.1M
            qwen3_tiny model, 4 new tokens at most, stop at EOS; time to a reward threshold.
     long   a Qwen3-shaped model of ~19M parameters (qk-norm, GQA, SwiGLU, tied embeddings)
            writes 128 tokens (no stop) after a 6-token prompt, scored by ``RepeatMatch`` (the
            prompt's string repeated): generation-heavy; speed at equal learning per step.
+    long10m  the same as long on a ~10.6M-parameter model (hidden 384, 6 heads of 64, 3 KV
+           heads, SwiGLU 1152): the narrow end of the 10-30M range.
 
 Per run: seconds per step (median over the steps after the first ``warm``), generated tokens/s
 (tokens / time over the same steps), the first step whose 3-step mean reward reaches the
@@ -158,6 +160,17 @@ WORKLOADS = {
         threshold=None,
     ),
 }
+# The same problem on a narrower model at the bottom of the 10-30M range (hidden 384, 6 layers:
+# 10.6M parameters): the update costs about half of long's, generation per token about as much
+WORKLOADS["long10m"] = Workload(
+    **{
+        **WORKLOADS["long"].__dict__,
+        "name": "long10m",
+        "model": dict(
+            dim=384, n_layers=6, n_heads=6, n_kv_heads=3, head_dim=64, intermediate_size=1152
+        ),
+    }
+)
 
 
 def quick_workload(w: Workload) -> Workload:

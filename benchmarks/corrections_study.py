@@ -381,11 +381,16 @@ def calibration(runs: list[RecipeRun]) -> list[list]:
 
 # ------------------------------------------------------------------------------------ plots
 def plot(
-    results: dict[Cell, list[RecipeRun]], out_dir: Path, write_docs: bool, smooth: int
+    results: dict[Cell, list[RecipeRun]],
+    out_dir: Path,
+    write_docs: bool,
+    smooth: int,
+    tag: str = "",
 ) -> list[Path]:
     """Per engine: the reward curves (one panel per staleness), the seed's diagnostics over
     training (retained fraction and PPO clip fraction, one row of panels per staleness) and the
-    EWMA retention before each reset decision."""
+    EWMA retention before each reset decision; ``tag`` is added to the file names
+    (``study_reward_<engine><tag>.png``) and to the titles."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -405,13 +410,13 @@ def plot(
                 _curve(ax, mine[c], "rollout/reward_mean", c.label, smooth)
             if sync:
                 _curve(ax, sync, "rollout/reward_mean", "none (sync)", smooth, color="k", ls="--")
-            ax.set_title(f"max_staleness {st}, engine {disc}")
+            ax.set_title(f"max_staleness {st}, engine {disc}{tag}")
             ax.set_xlabel("step")
             ax.set_ylabel(f"reward ({smooth}-step mean, mean of seeds)")
             ax.set_ylim(0, 1)
             ax.grid(alpha=0.3)
         axes[0][-1].legend(fontsize=7, loc="lower right")
-        written += save_figure(fig, f"study_reward_{disc}.png", out_dir, write_docs)
+        written += save_figure(fig, f"study_reward_{disc}{tag}.png", out_dir, write_docs)
         plt.close(fig)
 
         fig, axes = plt.subplots(len(stal), 2, figsize=(10, 3.2 * len(stal)), squeeze=False)
@@ -421,13 +426,13 @@ def plot(
                 _curve(row[1], mine[c], "train/clip_frac", c.label, smooth)
             if sync:
                 _curve(row[1], sync, "train/clip_frac", "none (sync)", smooth, color="k", ls="--")
-            row[0].set_title(f"retained fraction, max_staleness {st}, engine {disc}")
-            row[1].set_title(f"PPO clip fraction, max_staleness {st}, engine {disc}")
+            row[0].set_title(f"retained fraction, max_staleness {st}, engine {disc}{tag}")
+            row[1].set_title(f"PPO clip fraction, max_staleness {st}, engine {disc}{tag}")
             for ax in row:
                 ax.set_xlabel("step")
                 ax.grid(alpha=0.3)
         axes[0][1].legend(fontsize=7, loc="upper right")
-        written += save_figure(fig, f"study_diagnostics_{disc}.png", out_dir, write_docs)
+        written += save_figure(fig, f"study_diagnostics_{disc}{tag}.png", out_dir, write_docs)
         plt.close(fig)
 
         ewma = [c for c in order if c.method.startswith("ewma")]
@@ -438,12 +443,14 @@ def plot(
                 for c in (c for c in ewma if c.staleness == st):
                     _curve(ax, mine[c], "correction/ewma_retained_before_reset", c.label, 1)
                 ax.axhline(0.8, color="gray", lw=0.8, ls=":")
-                ax.set_title(f"EWMA, max_staleness {st}, engine {disc}")
+                ax.set_title(f"EWMA, max_staleness {st}, engine {disc}{tag}")
                 ax.set_xlabel("step")
                 ax.set_ylabel("retained fraction (before reset)")
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=8)
-            written += save_figure(fig, f"study_ewma_retention_{disc}.png", out_dir, write_docs)
+            written += save_figure(
+                fig, f"study_ewma_retention_{disc}{tag}.png", out_dir, write_docs
+            )
             plt.close(fig)
     return written
 
@@ -493,6 +500,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT / "corrections_study")
     p.add_argument("--resume", action="store_true", help="reuse finished runs found in --out")
     p.add_argument("--write-docs", action="store_true", help="also save the PNGs in docs/img/")
+    p.add_argument(
+        "--figure-tag",
+        default="",
+        help="added to the figures' file names and titles, so that the figures of another "
+        "regime do not replace these: --figure-tag _cot writes study_reward_int4_cot.png",
+    )
     p.add_argument(
         "--report",
         action="store_true",
@@ -588,7 +601,7 @@ def main() -> None:
             print(f"\ncalibration, engine {disc}: the synchronous baseline, per training step")
             print(markdown_table(["statistic", "p10", "median", "p90"], calibration(sync)))
     (args.out / "summary.json").write_text(json.dumps(rows, indent=1))
-    for path in plot(results, args.out, args.write_docs, args.smooth):
+    for path in plot(results, args.out, args.write_docs, args.smooth, args.figure_tag):
         print(f"plot: {path}")
     failed = sum(r["failed"] for r in rows)
     if failed:

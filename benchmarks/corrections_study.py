@@ -390,13 +390,14 @@ def plot(
     """Per engine: the reward curves (one panel per staleness), the seed's diagnostics over
     training (retained fraction and PPO clip fraction, one row of panels per staleness) and the
     EWMA retention before each reset decision; ``tag`` is added to the file names
-    (``study_reward_<engine><tag>.png``) and to the titles."""
+    (``study_reward_<engine><tag>.png``) and, as words, to the titles."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
+    words = f", {tag.strip('_').replace('_', ' ')}" if tag else ""
     for disc in sorted({c.discrepancy for c in results}):
         mine = {c: r for c, r in results.items() if c.discrepancy == disc}
         stal = sorted({c.staleness for c in mine if c.staleness > 0})
@@ -410,7 +411,7 @@ def plot(
                 _curve(ax, mine[c], "rollout/reward_mean", c.label, smooth)
             if sync:
                 _curve(ax, sync, "rollout/reward_mean", "none (sync)", smooth, color="k", ls="--")
-            ax.set_title(f"max_staleness {st}, engine {disc}{tag}")
+            ax.set_title(f"max_staleness {st}, engine {disc}{words}")
             ax.set_xlabel("step")
             ax.set_ylabel(f"reward ({smooth}-step mean, mean of seeds)")
             ax.set_ylim(0, 1)
@@ -426,8 +427,8 @@ def plot(
                 _curve(row[1], mine[c], "train/clip_frac", c.label, smooth)
             if sync:
                 _curve(row[1], sync, "train/clip_frac", "none (sync)", smooth, color="k", ls="--")
-            row[0].set_title(f"retained fraction, max_staleness {st}, engine {disc}{tag}")
-            row[1].set_title(f"PPO clip fraction, max_staleness {st}, engine {disc}{tag}")
+            row[0].set_title(f"retained fraction, max_staleness {st}, engine {disc}{words}")
+            row[1].set_title(f"PPO clip fraction, max_staleness {st}, engine {disc}{words}")
             for ax in row:
                 ax.set_xlabel("step")
                 ax.grid(alpha=0.3)
@@ -443,7 +444,7 @@ def plot(
                 for c in (c for c in ewma if c.staleness == st):
                     _curve(ax, mine[c], "correction/ewma_retained_before_reset", c.label, 1)
                 ax.axhline(0.8, color="gray", lw=0.8, ls=":")
-                ax.set_title(f"EWMA, max_staleness {st}, engine {disc}{tag}")
+                ax.set_title(f"EWMA, max_staleness {st}, engine {disc}{words}")
                 ax.set_xlabel("step")
                 ax.set_ylabel("retained fraction (before reset)")
                 ax.grid(alpha=0.3)
@@ -504,7 +505,8 @@ def main() -> None:
         "--figure-tag",
         default="",
         help="added to the figures' file names and titles, so that the figures of another "
-        "regime do not replace these: --figure-tag _cot writes study_reward_int4_cot.png",
+        "regime do not replace these: --figure-tag _long_answers writes "
+        "study_reward_int4_long_answers.png",
     )
     p.add_argument(
         "--report",

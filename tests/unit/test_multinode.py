@@ -94,7 +94,8 @@ def test_the_launcher_checks_the_batch_for_every_rank_of_every_node(capsys, tmp_
     # 2 nodes x 2 ranks: 32 rows per rank, 8 per minibatch, not divisible by micro-batches of 16
     rc = main(
         ["run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "h", "--master-port",
-         "1", "async_ppo", "--config", "tiny_cpu", f"output_dir={tmp_path}"]
+         "1", "async_ppo", "--config", "tiny_cpu", f"output_dir={tmp_path}",
+         "ppo.micro_batch_size=16"]
     )  # fmt: skip
     assert rc == 2
     assert "minibatch rows (8) must be divisible by ppo.micro_batch_size (16)" in (

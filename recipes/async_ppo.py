@@ -223,6 +223,10 @@ class AsyncPPORecipe:
     # ------------------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
         self.tokenizer = instantiate(cfg.tokenizer)
+        r = cfg.rollout  # the ids that end a response (EOS, rollout.stop_tokens), checked at start
+        self.stop_ids = preflight.stop_ids(
+            self.tokenizer, r.get("stop_tokens"), stop_at_eos=r.stop_at_eos
+        )
         self.dataset = instantiate(cfg.dataset, tokenizer=self.tokenizer)
         preflight.warn_if_prompts_cycle(len(self.dataset), cfg.rollout.groups_per_batch)
         self.reward_fn = instantiate(cfg.reward)
@@ -276,7 +280,7 @@ class AsyncPPORecipe:
                 top_p=r.top_p,
                 top_k=r.top_k,
                 max_new_tokens=r.max_new_tokens,
-                stop_token_ids=self.tokenizer.eos_ids if r.stop_at_eos else (),
+                stop_token_ids=self.stop_ids,
             ),
             max_staleness=r.max_staleness,
             partial_rollout=r.partial_rollout,
@@ -505,7 +509,7 @@ class AsyncPPORecipe:
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=cfg.max_new_tokens or r.max_new_tokens,
-            stop_token_ids=self.tokenizer.eos_ids if r.stop_at_eos else (),
+            stop_token_ids=self.stop_ids,
         )
         with self.queue.engine_idle():
             result = evaluate(

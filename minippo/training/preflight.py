@@ -83,6 +83,7 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
             "top_k": Int(min=0),
             "max_new_tokens": Int(min=1),
             "stop_at_eos": Bool(),
+            "stop_tokens": Anything(optional=True),  # checked against the tokenizer below
         }
     ),
     "correction": Component(null=True, optional=True),
@@ -373,6 +374,10 @@ def _vocab_problems(cfg: DictConfig, args: Any) -> list[str]:
         tokenizer = instantiate(cfg.tokenizer)
     except (OSError, ValueError, TypeError) as e:
         return [f"cannot build the tokenizer or the model config: {e}"]
+    try:
+        stop_ids(tokenizer, _get(cfg, "rollout.stop_tokens"), stop_at_eos=False)
+    except ValueError as e:
+        return [str(e)]
     model_v, tok_v = int(args.vocab_size), int(tokenizer.vocab_size)
     if model_v < tok_v:
         return [
@@ -386,6 +391,27 @@ def _vocab_problems(cfg: DictConfig, args: Any) -> list[str]:
             f"model.vocab_size={tok_v}"
         ]
     return []
+
+
+def stop_ids(tokenizer: Any, stop_tokens: Any, *, stop_at_eos: bool) -> tuple[int, ...]:
+    """The token ids that end a response: the tokenizer's EOS ids when ``stop_at_eos``, then the
+    id of each string of ``rollout.stop_tokens`` (null or a list of strings, each one token of
+    the tokenizer, e.g. ``["</answer>"]``); a ValueError naming the key otherwise."""
+    ids = list(tokenizer.eos_ids) if stop_at_eos else []
+    if stop_tokens is None:
+        return tuple(ids)
+    fix = 'e.g. rollout.stop_tokens=["}"] (strings the tokenizer encodes to one token each)'
+    if isinstance(stop_tokens, str) or not all(isinstance(t, str) for t in stop_tokens):
+        raise ValueError(f"rollout.stop_tokens must be null or a list of strings; {fix}")
+    for text in stop_tokens:
+        encoded = list(tokenizer.encode(text))
+        if len(encoded) != 1:
+            raise ValueError(
+                f"rollout.stop_tokens: {text!r} encodes to {len(encoded)} tokens {encoded}, not "
+                f"one; {fix}"
+            )
+        ids += [int(t) for t in encoded if int(t) not in ids]
+    return tuple(ids)
 
 
 def _resume_problems(cfg: DictConfig, world_size: int, local_world_size: int | None) -> list[str]:

@@ -40,6 +40,24 @@ def test_digit_task_ops_and_alphabet():
         digit_task(tok, alphabet="00")
 
 
+def test_digit_task_min_length_varies_the_answer_length():
+    tok = TinyTokenizer()
+    fixed = digit_task(tok, length=6, alphabet="0123", num_prompts=50, seed=1)
+    assert {len(ex.answer) for ex in fixed} == {6}
+    # without min_length the prompt set is the one the argument's absence gives
+    same = digit_task(tok, length=6, alphabet="0123", num_prompts=50, seed=1, min_length=None)
+    assert [ex.prompt for ex in fixed] == [ex.prompt for ex in same]
+    varied = digit_task(
+        tok, op="reverse", length=6, alphabet="0123", num_prompts=400, seed=1, min_length=2
+    )
+    assert {len(ex.answer) for ex in varied} == {2, 3, 4, 5, 6}
+    for ex in varied:
+        assert ex.answer == ex.prompt[:-1][::-1]
+    for bad in (0, 7):
+        with pytest.raises(ValueError, match=r"min_length must be null or in 1\.\.length"):
+            digit_task(tok, length=6, min_length=bad)
+
+
 def test_toy_rewards():
     ex = PromptExample(0, (1,), "12=", "123")
     r = PerPositionMatch()
@@ -77,3 +95,19 @@ def test_prompt_dataset_validation():
         PromptDataset([PromptExample(3, (1,), "a", "b")])
     with pytest.raises(ValueError, match="empty prompt"):
         PromptDataset([PromptExample(0, (), "", "b")])
+
+
+def test_stop_ids_are_eos_then_one_token_per_stop_string():
+    from minippo.training.preflight import stop_ids
+
+    tok = TinyTokenizer(extra_tokens=["\\boxed{", "}"])
+    brace = tok.encode("}")
+    assert len(brace) == 1
+    assert stop_ids(tok, None, stop_at_eos=True) == tuple(tok.eos_ids)
+    assert stop_ids(tok, None, stop_at_eos=False) == ()
+    assert stop_ids(tok, ["}"], stop_at_eos=True) == (*tok.eos_ids, brace[0])
+    assert stop_ids(tok, ["}", "}"], stop_at_eos=False) == (brace[0],)  # no duplicates
+    with pytest.raises(ValueError, match="'12' encodes to 2 tokens"):
+        stop_ids(tok, ["12"], stop_at_eos=True)
+    with pytest.raises(ValueError, match="must be null or a list of strings"):
+        stop_ids(tok, "}", stop_at_eos=True)

@@ -69,17 +69,22 @@ def digit_task(
     num_prompts: int = 1024,
     seed: int = 0,
     add_bos: bool = True,
+    min_length: int | None = None,
 ) -> PromptDataset:
     """Prompts ``"{digits}="`` with answers ``op(digits)`` (copy, reverse or sort).
 
     Args:
         tokenizer: anything with ``encode(str) -> list[int]``.
         op: one of ``DIGIT_OPS`` ("copy", "reverse", "sort").
-        length: number of symbols in each string (the answer has the same length).
+        length: number of symbols in each string (the answer has the same length); with
+            ``min_length``, of the longest strings.
         alphabet: the symbols to draw from (a smaller alphabet is an easier task).
         num_prompts: size of the (fixed, seeded) prompt set.
         seed: the prompt set is a function of the arguments and this seed only.
         add_bos: start every prompt with the tokenizer's BOS id (when it has one).
+        min_length: None: every string has ``length`` symbols; else each string's length is
+            drawn uniformly from ``min_length..length`` (answers of varied length: in a batch cut
+            by a stop, short groups finish while long ones are still decoding).
     """
     if op not in DIGIT_OPS:
         raise ValueError(f"op must be one of {sorted(DIGIT_OPS)}, got {op!r}")
@@ -92,10 +97,17 @@ def digit_task(
         )
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if min_length is not None and not 1 <= min_length <= length:
+        raise ValueError(
+            f"min_length must be null or in 1..length ({length}), got {min_length}; "
+            "e.g. dataset.min_length=2"
+        )
     rng = random.Random(seed)
     examples = []
     for i in range(num_prompts):
-        s = "".join(rng.choice(alphabet) for _ in range(length))
+        n = length if min_length is None else rng.randint(min_length, length)
+        s = "".join(rng.choice(alphabet) for _ in range(n))
         text = f"{s}="
         examples.append(PromptExample(i, _encode(tokenizer, text, add_bos), text, DIGIT_OPS[op](s)))
-    return PromptDataset(examples, name=f"digits({op}, length {length}, alphabet {alphabet!r})")
+    lengths = f"{length}" if min_length is None else f"{min_length}-{length}"
+    return PromptDataset(examples, name=f"digits({op}, length {lengths}, alphabet {alphabet!r})")

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -401,7 +402,8 @@ def stop_ids(tokenizer: Any, stop_tokens: Any, *, stop_at_eos: bool) -> tuple[in
     if stop_tokens is None:
         return tuple(ids)
     fix = 'e.g. rollout.stop_tokens=["}"] (strings the tokenizer encodes to one token each)'
-    if isinstance(stop_tokens, str) or not all(isinstance(t, str) for t in stop_tokens):
+    is_list = isinstance(stop_tokens, Sequence) and not isinstance(stop_tokens, str)
+    if not is_list or not all(isinstance(t, str) for t in stop_tokens):
         raise ValueError(f"rollout.stop_tokens must be null or a list of strings; {fix}")
     for text in stop_tokens:
         encoded = list(tokenizer.encode(text))

@@ -260,6 +260,8 @@ CASES = [
              phrase="rollout.stop_tokens: '30' encodes to 2 tokens"),
     run_case("stop_tokens_not_strings", "+rollout.stop_tokens=[3]",
              phrase="rollout.stop_tokens must be null or a list of strings"),
+    run_case("stop_tokens_not_a_list", "+rollout.stop_tokens=3",
+             phrase="rollout.stop_tokens must be null or a list of strings"),
     run_case("vocab_larger_random_init", "model.vocab_size=64",
              phrase="samples ids the tokenizer cannot decode; set model.vocab_size=51"),
     run_case("tokenizer_folder_missing", "tokenizer._component_=minippo.models.load_tokenizer",

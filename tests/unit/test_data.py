@@ -109,5 +109,9 @@ def test_stop_ids_are_eos_then_one_token_per_stop_string():
     assert stop_ids(tok, ["}", "}"], stop_at_eos=False) == (brace[0],)  # no duplicates
     with pytest.raises(ValueError, match="'12' encodes to 2 tokens"):
         stop_ids(tok, ["12"], stop_at_eos=True)
-    with pytest.raises(ValueError, match="must be null or a list of strings"):
-        stop_ids(tok, "}", stop_at_eos=True)
+    for bad in ("}", 3, [3]):
+        with pytest.raises(ValueError, match="must be null or a list of strings"):
+            stop_ids(tok, bad, stop_at_eos=True)
+    from omegaconf import OmegaConf
+
+    assert stop_ids(tok, OmegaConf.create({"s": ["}"]}).s, stop_at_eos=False) == (brace[0],)

@@ -54,6 +54,7 @@ EVAL_SCHEMA: dict[str, Spec] = {
             "top_k": Int(min=0),
             "max_new_tokens": Int(min=1),
             "stop_at_eos": Bool(),
+            "stop_tokens": Anything(optional=True),  # checked against the tokenizer at start
         }
     ),
     "samples_path": Str(),
@@ -201,6 +202,12 @@ class EvalRecipe:
         self.tokenizer = instantiate(cfg.tokenizer)
         self.dataset = instantiate(cfg.dataset, tokenizer=self.tokenizer)
         self.reward_fn = instantiate(cfg.reward)
+        self.stop_ids = preflight.stop_ids(  # EOS and sampling.stop_tokens, checked at start
+            self.tokenizer,
+            cfg.sampling.get("stop_tokens"),
+            stop_at_eos=cfg.sampling.stop_at_eos,
+            key="sampling.stop_tokens",
+        )
         args = model_args(cfg)  # its vocabulary fits the tokenizer: preflight
         self.engine = instantiate(cfg.engine, model_args=args)
         self.step = self._publish_weights(args)
@@ -245,7 +252,7 @@ class EvalRecipe:
                 top_p=s.top_p,
                 top_k=s.top_k,
                 max_new_tokens=s.max_new_tokens,
-                stop_token_ids=self.tokenizer.eos_ids if s.stop_at_eos else (),
+                stop_token_ids=self.stop_ids,
             ),
             samples_per_prompt=cfg.samples_per_prompt,
             seed=cfg.seed,

@@ -375,8 +375,9 @@ def _vocab_problems(cfg: DictConfig, args: Any) -> list[str]:
         tokenizer = instantiate(cfg.tokenizer)
     except (OSError, ValueError, TypeError) as e:
         return [f"cannot build the tokenizer or the model config: {e}"]
-    try:
-        stop_ids(tokenizer, _get(cfg, "rollout.stop_tokens"), stop_at_eos=False)
+    try:  # async_ppo's rollout.stop_tokens, eval's sampling.stop_tokens
+        for key in ("rollout.stop_tokens", "sampling.stop_tokens"):
+            stop_ids(tokenizer, _get(cfg, key), stop_at_eos=False, key=key)
     except ValueError as e:
         return [str(e)]
     model_v, tok_v = int(args.vocab_size), int(tokenizer.vocab_size)
@@ -394,23 +395,25 @@ def _vocab_problems(cfg: DictConfig, args: Any) -> list[str]:
     return []
 
 
-def stop_ids(tokenizer: Any, stop_tokens: Any, *, stop_at_eos: bool) -> tuple[int, ...]:
+def stop_ids(
+    tokenizer: Any, stop_tokens: Any, *, stop_at_eos: bool, key: str = "rollout.stop_tokens"
+) -> tuple[int, ...]:
     """The token ids that end a response: the tokenizer's EOS ids when ``stop_at_eos``, then the
-    id of each string of ``rollout.stop_tokens`` (null or a list of strings, each one token of
-    the tokenizer, e.g. ``["</answer>"]``); a ValueError naming the key otherwise."""
+    id of each string of ``stop_tokens`` (the config value at ``key``: null or a list of strings,
+    each one token of the tokenizer, e.g. ``["</answer>"]``); a ValueError naming ``key``
+    otherwise."""
     ids = list(tokenizer.eos_ids) if stop_at_eos else []
     if stop_tokens is None:
         return tuple(ids)
-    fix = 'e.g. rollout.stop_tokens=["}"] (strings the tokenizer encodes to one token each)'
+    fix = f'e.g. {key}=["}}"] (strings the tokenizer encodes to one token each)'
     is_list = isinstance(stop_tokens, Sequence) and not isinstance(stop_tokens, str)
     if not is_list or not all(isinstance(t, str) for t in stop_tokens):
-        raise ValueError(f"rollout.stop_tokens must be null or a list of strings; {fix}")
+        raise ValueError(f"{key} must be null or a list of strings; {fix}")
     for text in stop_tokens:
         encoded = list(tokenizer.encode(text))
         if len(encoded) != 1:
             raise ValueError(
-                f"rollout.stop_tokens: {text!r} encodes to {len(encoded)} tokens {encoded}, not "
-                f"one; {fix}"
+                f"{key}: {text!r} encodes to {len(encoded)} tokens {encoded}, not one; {fix}"
             )
         ids += [int(t) for t in encoded if int(t) not in ids]
     return tuple(ids)

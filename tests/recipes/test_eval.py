@@ -151,6 +151,25 @@ def test_training_checkpoint_is_its_actor_and_runs_repeat(res):
     assert read_samples(res / "f" / "samples.jsonl") == rows[0][: 4 * N]
 
 
+def test_stop_tokens_end_responses_at_the_stop_string(one_rank, res):
+    """``sampling.stop_tokens``: a response ends at the first stop token (kept in the response,
+    finish reason "stop"); a row without one runs as without the key."""
+    out = res / "stop"
+    proc = cli(
+        *EVAL, f"checkpoint_path={res / 'hf'}", f"output_dir={out}", '+sampling.stop_tokens=["1"]'
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, plain = read_samples(out / "samples.jsonl"), read_samples(one_rank[0] / "samples.jsonl")
+    stopped = [r for r in rows if "1" in r["response"]]
+    assert len(stopped) >= 4  # the random model samples "1" in ~8% of its 4-token responses
+    for r in stopped:
+        assert r["response"].index("1") == len(r["response"]) - 1 and r["finish_reason"] == "stop"
+    # the same seeds: a response is the plain run's up to and including its first "1"
+    for r, p in zip(rows, plain, strict=True):
+        cut = p["response"].find("1")
+        assert r["response"] == (p["response"] if cut < 0 else p["response"][: cut + 1])
+
+
 def test_two_ranks_give_the_metrics_and_rows_of_one_rank(one_rank, res):
     out = res / "two_ranks"
     proc = cli(
@@ -200,6 +219,10 @@ def test_bad_inputs_are_one_line_each(tmp_path, res, capsys):
             "the actor's 'tok_embeddings.weight' is (51, 64), the configured model has (64, 64)",
         ),
         (["--config", "tiny_eval_cpu", "checkpoint_path=/nowhere"], "checkpoint_path=/nowhere"),
+        (
+            ["--config", "tiny_eval_cpu", hf, '+sampling.stop_tokens=["12"]'],
+            "sampling.stop_tokens: '12' encodes to 2 tokens",
+        ),
         (
             [
                 "--config",

@@ -267,7 +267,11 @@ class RolloutEngine(Protocol):
         """Load new weights, given as buckets of (HF name, full tensor); then set ``version``.
 
         A partial set of parameters is allowed (the others keep their values). The tied lm_head
-        is not sent when embeddings are tied. ``version`` must not decrease.
+        is not sent when embeddings are tied. ``version`` must not decrease. The call may return
+        before the engine has applied the weights (TorchEngine does; SGLangEngine returns after),
+        but never before it has read the buckets' tensors, and every request or control call
+        made after it sees the new weights. A failed publish raises, in that call or in the next
+        call of the engine, and the engine then refuses to generate until a publish succeeds.
         """
         ...
 

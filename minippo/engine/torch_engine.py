@@ -25,8 +25,10 @@ length), compiled at their first use.
 
 Process model: ``TorchEngine(model_args)`` starts a spawned child process that allocates its own
 model from the config (no weights are copied at start) and serves requests from a message queue,
-so generation really overlaps training in the parent; the first ``publish_weights`` fills it. The
-child dies with its parent, even one killed with SIGKILL (no orphaned engine keeps its memory).
+so generation really overlaps training in the parent; the first ``publish_weights`` fills it.
+``publish_weights`` returns once the weights are copied into shared memory and sent: the engine
+applies them while the trainer goes on, before any later request (a failed publish surfaces at
+the next call). The child dies with its parent, even one killed with SIGKILL (no orphaned engine keeps its memory).
 ``in_process=True`` runs the same serving loop in a thread of the calling process (for tests and
 debugging). The parent-side API is thread-safe.
 """
@@ -204,6 +206,7 @@ class _Server:
         self.paused = False
         self.asleep = False
         self.stale_cache = False
+        self.publish_failed: str | None = None  # why the last publish failed (refuse to generate)
         self.running = True
         self.stats = {
             "waves": 0,
@@ -274,6 +277,8 @@ class _Server:
     def _rows(self, call_id: int, requests: list[GenerateRequest]) -> list[_Row]:
         if self.asleep:
             raise RuntimeError("the engine is asleep: call wake() before generating")
+        if self.publish_failed is not None:
+            raise RuntimeError(f"{self.publish_failed}; publish again before generating")
         rows = []
         for req in requests:
             seed = req.params.seed
@@ -314,8 +319,10 @@ class _Server:
         """Apply buckets until ``publish_end``; other messages meanwhile are handled normally.
 
         A bad name or shape fails the publish (after reading the rest of it) and leaves the
-        weights partly updated and the version unchanged: publish again. Until every parameter
-        has been sent once, a publish fails too (the engine starts with uninitialised weights).
+        weights partly updated and the version unchanged; until every parameter has been sent
+        once, a publish fails too (the engine starts with uninitialised weights). A failed publish
+        fails every running generate and stream call (their rows would go on under partly updated
+        weights) and the engine refuses new ones until a publish succeeds.
         """
         error: Exception | None = (
             RuntimeError("publish_weights() while the engine sleeps: call wake() first")
@@ -335,21 +342,36 @@ class _Server:
                 self._load_bucket(payload)
             except Exception as e:
                 error = e
-        if error is not None:
-            raise error
-        if self.unfilled:
+        if error is None and self.unfilled:
             missing = sorted(self.unfilled)
-            raise ValueError(
+            error = ValueError(
                 f"publish_weights: the engine starts without weights and {len(missing)} of its "
                 f"parameters were never sent ({', '.join(missing[:5])}"
                 f"{', ...' if len(missing) > 5 else ''}); the first publish must send them all"
             )
+        if error is not None:
+            if not self.asleep:  # a sleeping engine's weights were not touched
+                self._fail_calls(f"the publish of version {version} failed: {error}")
+            raise error
         if self.quantize is not None:  # the engine samples from rounded weights
             quantize_linear_weights_(self.model, self.quantize)
         for layer in self.packed:
             layer.repack()
         self.version = version
+        self.publish_failed = None
         self.stale_cache = True  # in-flight rows re-prefill under the new weights
+
+    def _fail_calls(self, reason: str) -> None:
+        """End every generate and stream call with an error; refuse new ones until a publish
+        succeeds (``_rows``)."""
+        self.publish_failed = reason
+        for r in self.active + self.waiting:
+            r.finish_reason = r.finish_reason or "abort"
+        self.waiting = []
+        for call_id in [*self.calls, *self.streams]:
+            self.calls.pop(call_id, None)
+            self.streams.pop(call_id, None)
+            self.outbox.put(("error", call_id, f"{reason}; publish again before generating"))
 
     @torch.no_grad()
     def _load_bucket(self, bucket: WeightBucket) -> None:
@@ -701,6 +723,8 @@ class TorchEngine:
         self._pending: dict[int, Future] = {}  # call id -> the reply
         self._lock = threading.Lock()  # guards _pending and message sends
         self._control = threading.Lock()  # one control operation (publish/pause/...) at a time
+        # the last publish (call id, reply, version) until its reply is read
+        self._publishing: tuple[int, Future, int] | None = None
         self._closed = False
         self._process = None
         server_kw = dict(
@@ -767,6 +791,7 @@ class TorchEngine:
                 "no weights published yet: TorchEngine is built empty from the model config; "
                 "call publish_weights(...) before generate"
             )
+        self._raise_if_publish_failed()
         if not requests:
             return []
         return self._call("generate", requests)
@@ -786,6 +811,7 @@ class TorchEngine:
                 "no weights published yet: TorchEngine is built empty from the model config; "
                 "call publish_weights(...) before stream"
             )
+        self._raise_if_publish_failed()
         return self._stream(requests, until_groups) if requests else iter(())
 
     def _stream(self, requests: list[GenerateRequest], until_groups: int | None):
@@ -825,7 +851,14 @@ class TorchEngine:
     def publish_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Copy (HF or native name, tensor) buckets into the engine's weights; stamp ``version``.
 
-        Applied between two decode steps; in-flight rows then re-prefill under the new weights.
+        Returns once the buckets are copied and sent, before the engine has applied them: the
+        engine applies them between two decode steps (in-flight rows then re-prefill under the
+        new weights), before any request or control call made after this one, so ``version`` is
+        the new one at once. The buckets' tensors may change as soon as this returns. A publish
+        that fails (a bad name or shape) fails the running generate / stream calls and the next
+        call of this engine (``publish_weights``, ``pause``, ``generate``...) raises its error;
+        the engine refuses to generate until a publish succeeds. ``wait_published()`` waits for
+        the engine to have applied the last publish.
         The first publish must send every parameter (the tied lm_head excepted).
         """
         version = int(version)
@@ -834,44 +867,79 @@ class TorchEngine:
                 f"version must not decrease: got {version}, engine has {self._version}"
             )
         with self._control:
+            self._settle_publish()
             cid, reply = self._open_call()
             self._send("publish_begin", cid, version)
-            keep = []  # shared-memory buffers stay alive until the engine has applied them
+            keep = []  # the sent copies stay alive until the engine has applied them
             try:
                 for bucket in buckets:
-                    if self.in_process:
-                        sent = [(n, t.detach()) for n, t in bucket]
+                    if self.in_process:  # the engine thread reads them later: copies
+                        sent = [(n, t.detach().clone()) for n, t in bucket]
                     else:
                         sent = _SharedBucket(bucket)
-                        keep.append(sent)
+                    keep.append(sent)
                     self._send("publish_bucket", cid, sent)
             finally:
                 self._send("publish_end", cid, None)
-            self._wait(cid, reply)
+            reply.add_done_callback(lambda _: keep.clear())
+            self._publishing = (cid, reply, version)
             self._version = version
             self._has_weights = True
+
+    def wait_published(self) -> None:
+        """Return once the engine has applied the last ``publish_weights``; raise its error if
+        it failed."""
+        with self._control:
+            self._settle_publish()
+
+    def _settle_publish(self) -> None:
+        """Wait for the last publish's reply (under ``_control``); raise if it failed."""
+        if self._publishing is None:
+            return
+        cid, reply, version = self._publishing
+        self._publishing = None
+        try:
+            self._wait(cid, reply)
+        except RuntimeError as e:
+            raise RuntimeError(_publish_error(version, e)) from None
+
+    def _raise_if_publish_failed(self) -> None:
+        """Without waiting: raise the last publish's error if its reply has come and says so
+        (once: the next call does not raise it again)."""
+        publishing = self._publishing
+        if publishing is None or not publishing[1].done() or publishing[1].exception() is None:
+            return
+        with self._lock:
+            if self._publishing is publishing:
+                self._publishing = None
+        raise RuntimeError(_publish_error(publishing[2], publishing[1].exception()))
 
     def pause(self) -> None:
         """Returns once no forward pass runs; in-flight requests keep their state."""
         with self._control:
+            self._settle_publish()
             self._call("pause", None)
 
     def resume(self) -> None:
         with self._control:
+            self._settle_publish()
             self._call("resume", None)
 
     def abort(self) -> list[Completion]:
         """Stop every in-flight and waiting request; return their partial completions."""
         with self._control:
+            self._settle_publish()
             return self._call("abort", None)
 
     def sleep(self) -> None:
         """Move the weights off the accelerator (no-op on CPU); needs an idle engine."""
         with self._control:
+            self._settle_publish()
             self._call("sleep", None)
 
     def wake(self) -> None:
         with self._control:
+            self._settle_publish()
             self._call("wake", None)
 
     def stats(self) -> dict[str, int | str | bool]:
@@ -983,6 +1051,12 @@ class TorchEngine:
                     reply.set_exception(RuntimeError(f"engine error:\n{result}"))
                 else:
                     reply.set_result(result)
+
+
+def _publish_error(version: int, error: BaseException | None) -> str:
+    """One line for a failed publish: the engine's exception (the last line of its traceback)."""
+    last = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
+    return f"the publish_weights of version {version} failed: {last}"
 
 
 def _shutdown_quietly(inbox: Any, process: Any) -> None:

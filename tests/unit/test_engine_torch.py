@@ -155,14 +155,51 @@ def test_response_spanning_a_publish_has_both_versions_at_the_right_positions(en
 
 
 def test_publish_accepts_native_names_and_refuses_unknown_or_misshaped(engine):
+    """A publish returns before the engine applies it; a failed one raises in the next call (once)
+    and the engine refuses to generate until a publish succeeds."""
     sd = model_of(1).state_dict()
     engine.publish_weights([[("norm.weight", sd["norm.weight"])]], version=1)
+    engine.wait_published()
+    req = GenerateRequest([1], SamplingParams(max_new_tokens=2), "ok")
+    engine.publish_weights([[("model.not_a_weight", torch.zeros(1))]], version=2)
     with pytest.raises(RuntimeError, match="not_a_weight"):
-        engine.publish_weights([[("model.not_a_weight", torch.zeros(1))]], version=2)
+        engine.wait_published()
+    with pytest.raises(RuntimeError, match=r"publish of version 2 failed.*publish again"):
+        engine.generate([req])
+    engine.publish_weights([[("model.norm.weight", torch.zeros(3))]], version=2)
+    with pytest.raises(RuntimeError, match="shape"):  # the next publish raises the failed one's
+        engine.publish_weights(weights(2), version=2)
+    assert engine.version == 2  # what the failed publish stamped; the weights are not version 2
+    engine.publish_weights(weights(2), version=2)
+    (c,) = engine.generate([req])
+    assert c.finish_reason == "length" and c.versions == [2, 2]  # serving again
+
+
+def test_failed_publish_fails_the_running_calls(engine):
+    """The calls in the engine when a publish fails (they would go on under partly updated
+    weights) end with the publish's error; the next control call raises it too."""
+    import threading
+
+    long = GenerateRequest([1, 2], SamplingParams(max_new_tokens=40, seed=0), "long")
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            engine.generate([long])
+        except RuntimeError as e:
+            errors.append(e)
+
+    engine.pause()  # the request is in the engine, not yet decoding
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    engine.publish_weights([[("model.norm.weight", torch.zeros(3))]], version=1)
     with pytest.raises(RuntimeError, match="shape"):
-        engine.publish_weights([[("model.norm.weight", torch.zeros(3))]], version=2)
-    (c,) = engine.generate([GenerateRequest([1], SamplingParams(max_new_tokens=2), "ok")])
-    assert c.finish_reason == "length"  # still serving after a failed publish
+        engine.resume()
+    engine.resume()
+    t.join(timeout=60)
+    assert not t.is_alive() and len(errors) == 1
+    assert "publish of version 1 failed" in str(errors[0])
 
 
 def test_abort_mid_generation_keeps_the_tokens_so_far(engine):
@@ -407,9 +444,10 @@ def test_built_from_the_config_and_refuses_to_generate_before_the_first_publish(
         with pytest.raises(RuntimeError, match="no weights published yet"):
             eng.generate([r])
         first, second = weights(0)
-        with pytest.raises(RuntimeError, match="never sent"):
-            eng.publish_weights([first], version=0)
-        with pytest.raises(RuntimeError, match="no weights published yet"):
+        eng.publish_weights([first], version=0)
+        with pytest.raises(RuntimeError, match=r"publish_weights of version 0 failed.*never sent"):
+            eng.wait_published()
+        with pytest.raises(RuntimeError, match=r"never sent.*publish again before generating"):
             eng.generate([r])
         eng.publish_weights([second], version=0)  # now every parameter has been sent once
         (c,) = eng.generate([r])

@@ -313,12 +313,21 @@ class MetricAverager:
     def __init__(self) -> None:
         self._sums: dict[str, Any] = {}
         self._weights: dict[str, Any] = {}
+        # tensor values of one add() call with the same keys and dtype, summed as one vector:
+        # (keys, dtype) -> [Σ weight · values (float64 vector), Σ weight]
+        self._groups: dict[tuple, list] = {}
 
     def add(self, stats: Mapping[str, Any], weight: Any = 1.0) -> None:
+        import torch
+
         w = _f64(weight)
+        vectors: dict[Any, list[tuple[str, Any]]] = {}  # (dtype, device) -> its (key, tensor)s
         for k, v in stats.items():
-            v = _f64(v)
             extreme = _extreme(k)
+            if extreme is None and isinstance(v, torch.Tensor) and v.dim() == 0:
+                vectors.setdefault((v.dtype, v.device), []).append((k, v))
+                continue
+            v = _f64(v)
             if extreme is not None:
                 old = self._sums.get(k, v)
                 both = isinstance(old, float) and isinstance(v, float)
@@ -327,15 +336,29 @@ class MetricAverager:
             else:
                 self._sums[k] = self._sums.get(k, 0.0) + v * w
                 self._weights[k] = self._weights.get(k, 0.0) + w
+        for (dtype, _), items in vectors.items():  # the same float64 arithmetic, per element
+            values = torch.stack([v.detach() for _, v in items]).to(torch.float64)
+            group = self._groups.setdefault((tuple(k for k, _ in items), dtype), [0.0, 0.0])
+            group[0] = group[0] + values * w
+            group[1] = group[1] + w
 
     def result(self) -> dict[str, float]:
         keys = list(self._sums)
-        values = _to_host([self._sums[k] for k in keys] + [self._weights[k] for k in keys])
+        parts: list[Any] = [self._sums[k] for k in keys] + [self._weights[k] for k in keys]
+        for group_sums, group_weight in self._groups.values():
+            parts += [*group_sums.unbind(), group_weight]
+        values = _to_host(parts)
         n = len(keys)
-        return {
-            k: s / w if (w := values[n + i]) else math.nan
-            for i, (k, s) in enumerate(zip(keys, values[:n]))
-        }
+        sums = dict(zip(keys, values[:n]))
+        weights = dict(zip(keys, values[n : 2 * n]))
+        at = 2 * n
+        for group_keys, _ in self._groups:  # a key in several groups: their sums and weights
+            w = values[at + len(group_keys)]
+            for i, k in enumerate(group_keys):
+                sums[k] = sums.get(k, 0.0) + values[at + i]
+                weights[k] = weights.get(k, 0.0) + w
+            at += len(group_keys) + 1
+        return {k: s / w if (w := weights[k]) else math.nan for k, s in sums.items()}
 
 
 def _f64(x: Any) -> Any:

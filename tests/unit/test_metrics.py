@@ -115,6 +115,39 @@ def test_metric_averager_weighs_by_tokens_and_keeps_extremes():
     assert math.isnan(out["train/entropy"])
 
 
+def test_metric_averager_tensor_values_equal_the_per_key_float64_arithmetic():
+    """0-dim tensors of one call are summed as one float64 vector per dtype: the same result,
+    bit for bit, as each key's own ``Σ w · v / Σ w`` in float64; a key that comes in calls of
+    different key sets (or as a float) combines all of them."""
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for i in range(5):
+        w = torch.tensor(float(3 + i))
+        stats = {
+            "a": torch.rand((), generator=g),
+            "b": torch.rand((), generator=g, dtype=torch.float64),
+            "c_max": torch.rand((), generator=g),
+        }
+        if i % 2:
+            stats["d"] = torch.randint(0, 10**9, ()) * 7  # int64: not rounded through float32
+        calls.append((stats, w))
+    avg = MetricAverager()
+    for stats, w in calls:
+        avg.add(stats, w)
+    avg.add({"a": 0.25}, 2.0)  # the same key as a float, and alone
+    avg.add({"a": torch.tensor(0.5)}, 1.0)
+    out = avg.result()
+    for key in ("b", "d"):
+        sums, ws = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        for stats, w in calls:
+            if key in stats:
+                sums, ws = sums + stats[key].to(torch.float64) * w.double(), ws + w.double()
+        assert out[key] == (sums / ws).item()
+    num = sum(float(st["a"]) * float(w) for st, w in calls) + 0.25 * 2.0 + 0.5
+    assert out["a"] == pytest.approx(num / (sum(float(w) for _, w in calls) + 3.0), rel=1e-15)
+    assert out["c_max"] == max(float(st["c_max"]) for st, _ in calls)
+
+
 def test_reduce_over_ranks_means_and_extremes():
     ranks = [
         {"rollout/reward_mean": 0.2, "rollout/response_len_max": 7.0, "x_min": 1.0, "only0": 5.0},

@@ -228,6 +228,7 @@ class _Server:
                 **self.stats,
                 "linear_kernel": self.linear_kernel,
                 "compiled": self.compile,
+                "onednn_cache_capacity": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
             },
             "sleep": lambda call_id, _: self._sleep_wake("sleep"),
             "wake": lambda call_id, _: self._sleep_wake("wake"),
@@ -599,6 +600,10 @@ def _serve_in_child(spec: dict, inbox: Any, outbox: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid=spec["parent_pid"], prctl=spec["from_main_thread"])
     torch.set_num_threads(spec["num_threads"])
+    # oneDNN's primitive cache and ideep's kernel cache keep one entry per (layer, input shape);
+    # both read their capacity at first use, which is below
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ[var] = str(spec["onednn_cache_capacity"])
     try:
         server = _Server(inbox=inbox, outbox=outbox, **spec["server"])
     except Exception:
@@ -683,6 +688,12 @@ class TorchEngine:
                         group of 32), while the trainer scores in
                         its own precision. For studying the train-inference gap; the output
                         layer, embeddings and norms are not rounded.
+        onednn_cache_capacity: entries of the engine process's oneDNN primitive cache and
+                        ideep kernel cache (config key ``engine.onednn_cache_capacity``; default
+                        1024, oneDNN's own). Each holds one kernel per (linear layer, input
+                        shape): responses of varied length give many batch shapes, and the
+                        caches then grow by hundreds of MB (docs/benchmarks.md, "Kernel cache").
+                        Ignored in-process (the trainer's process keeps its own settings).
     """
 
     def __init__(
@@ -700,6 +711,7 @@ class TorchEngine:
         seed: int = 0,
         start_timeout: float = 300.0,
         quantize: str | None = None,
+        onednn_cache_capacity: int = 1024,
     ) -> None:
         if not isinstance(model_args, ModelArgs):
             raise TypeError(
@@ -709,6 +721,13 @@ class TorchEngine:
             )
         if max_batch_size < 1:
             raise ValueError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
+        if isinstance(onednn_cache_capacity, bool) or not (
+            isinstance(onednn_cache_capacity, int) and onednn_cache_capacity >= 1
+        ):
+            raise ValueError(
+                f"engine.onednn_cache_capacity must be an integer >= 1, got "
+                f"{onednn_cache_capacity!r}"
+            )
         check_quant_format(quantize)
         if not isinstance(compile, bool):
             raise TypeError(f"engine.compile must be true or false, got {compile!r}")
@@ -752,6 +771,7 @@ class TorchEngine:
             self._outbox = ctx.Queue()
             spec = {
                 "num_threads": num_threads or default_num_threads(),
+                "onednn_cache_capacity": onednn_cache_capacity,
                 "server": server_kw,
                 "parent_pid": os.getpid(),
                 # the kernel's parent-death signal follows the thread that starts the process
@@ -946,7 +966,8 @@ class TorchEngine:
         """Counters: waves, decode_steps, row_steps (rows summed over steps), reprefills; and
         ``linear_kernel``: ``"onednn_packed"`` (CPU, float32 / bfloat16, weights packed once per
         publish) or ``"torch"`` (the model's own ``nn.Linear`` layers); ``compiled``: the
-        ``compile`` option."""
+        ``compile`` option; ``onednn_cache_capacity``: the kernel caches' capacity as the
+        engine process set it (its environment's value in-process, None if unset)."""
         return self._call("stats", None)
 
     def shutdown(self) -> None:

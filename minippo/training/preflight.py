@@ -66,7 +66,12 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
     "dataset": Component({"num_examples": Int(min=1, null=True)}),
     "reward": Component(),
     "engine": Component(
-        {"dtype": Dtype(), "max_batch_size": Int(min=1), "quantize": Str(QUANT_FORMATS, null=True)}
+        {
+            "dtype": Dtype(),
+            "max_batch_size": Int(min=1),
+            "quantize": Str(QUANT_FORMATS, null=True),
+            "onednn_cache_capacity": Int(min=1),
+        }
     ),
     "rollout": Section(
         {

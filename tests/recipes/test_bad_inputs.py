@@ -187,6 +187,8 @@ CASES = [
     run_case("dtype_unknown", "dtype=fp64", phrase="dtype must be a dtype, one of"),
     run_case("engine_dtype_unknown", "engine.dtype=int8", phrase="engine.dtype must be a dtype"),
     run_case("engine_batch_zero", "engine.max_batch_size=0", phrase="engine.max_batch_size must"),
+    run_case("engine_cache_zero", "+engine.onednn_cache_capacity=0",
+             phrase="engine.onednn_cache_capacity must"),
     run_case("cpu_threads_zero", "cpu_threads=0", phrase="cpu_threads must be an integer >= 1"),
     run_case("estimator_unknown", "advantage_estimator=vtrace",
              phrase="advantage_estimator must be one of ['gae', 'grpo'], got 'vtrace'"),

@@ -33,6 +33,11 @@ MARKERS = {
     ],
     "memory.py": ["| method | max_staleness | peak RSS MiB", "| keep_old_actor | fp32 | 1 |"],
     "engine_throughput.py": ["ratio TorchEngine / HF"],
+    "engine_kernel_cache.py": [
+        "| onednn_cache_capacity | tok/s (median wave) |",
+        "| 1024 |",
+        "| 64 |",
+    ],
     "correction_cost.py": ["EWMA update", "snapshot save"],
     "logprob_memory.py": ["| naive |", "| chunked |", "| fused |"],
     "host_memory.py": ["| meta + per-tensor load | 1 |", "ratio (peak - baseline)"],

@@ -431,6 +431,21 @@ def test_shared_bucket_crosses_a_pickle_as_the_bucket():
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
+def test_engine_process_sets_its_kernel_cache_capacity():
+    """``onednn_cache_capacity`` reaches the engine process before its first oneDNN kernel (the
+    smallest capacity, 1, still generates the same tokens); a bad value is refused at once."""
+    r = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=6, seed=0), "a")
+    with publish_model(TorchEngine(ARGS, onednn_cache_capacity=1), model_of(0)) as eng:
+        assert eng.stats()["onednn_cache_capacity"] == "1"
+        (small,) = eng.generate([r])
+    with publish_model(TorchEngine(ARGS, in_process=True), model_of(0)) as eng:
+        (ref,) = eng.generate([r])
+    assert small.token_ids == ref.token_ids
+    for bad in (0, True, 2.0, "64"):
+        with pytest.raises(ValueError, match=r"engine\.onednn_cache_capacity must be an integer"):
+            TorchEngine(ARGS, onednn_cache_capacity=bad)
+
+
 def test_built_from_the_config_and_refuses_to_generate_before_the_first_publish():
     """The recipe builds every engine as ``instantiate(cfg.engine, model_args=...)``; the engine
     starts without weights and the first publish must fill every parameter."""

@@ -420,15 +420,19 @@ def plot(
         written += save_figure(fig, f"study_reward_{disc}{tag}.png", out_dir, write_docs)
         plt.close(fig)
 
-        fig, axes = plt.subplots(len(stal), 2, figsize=(10, 3.2 * len(stal)), squeeze=False)
+        fig, axes = plt.subplots(len(stal), 2, figsize=(10, 3.5 * len(stal)), squeeze=False)
         for row, st in zip(axes, stal):
             for c in (c for c in order if c.staleness == st):
                 _curve(row[0], mine[c], "correction/retained_fraction", c.label, smooth)
                 _curve(row[1], mine[c], "train/clip_frac", c.label, smooth)
             if sync:
                 _curve(row[1], sync, "train/clip_frac", "none (sync)", smooth, color="k", ls="--")
-            row[0].set_title(f"retained fraction, max_staleness {st}, engine {disc}{words}")
-            row[1].set_title(f"PPO clip fraction, max_staleness {st}, engine {disc}{words}")
+            row[0].set_title(
+                f"retained fraction, max_staleness {st},\nengine {disc}{words}", fontsize=10
+            )
+            row[1].set_title(
+                f"PPO clip fraction, max_staleness {st},\nengine {disc}{words}", fontsize=10
+            )
             for ax in row:
                 ax.set_xlabel("step")
                 ax.grid(alpha=0.3)

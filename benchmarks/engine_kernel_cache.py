@@ -94,7 +94,8 @@ def main() -> None:
         f"1-{args.new_tokens}; Qwen3 {layers} layers, hidden {dim}, vocab {vocab}; 1 thread each\n"
     )
     print(
-        "| onednn_cache_capacity | tok/s (median wave) | vs first | RSS after wave 1 / last, MiB | peak RSS MiB |"
+        "| onednn_cache_capacity | tok/s (median wave) | vs first "
+        "| RSS after wave 1 / last, MiB | peak RSS MiB |"
     )
     print("|---:|---:|---:|---:|---:|")
     for c in args.capacities:

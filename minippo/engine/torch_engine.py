@@ -28,7 +28,8 @@ model from the config (no weights are copied at start) and serves requests from 
 so generation really overlaps training in the parent; the first ``publish_weights`` fills it.
 ``publish_weights`` returns once the weights are copied into shared memory and sent: the engine
 applies them while the trainer goes on, before any later request (a failed publish surfaces at
-the next call). The child dies with its parent, even one killed with SIGKILL (no orphaned engine keeps its memory).
+the next call). The child dies with its parent, even one killed with SIGKILL (no orphaned engine
+keeps its memory).
 ``in_process=True`` runs the same serving loop in a thread of the calling process (for tests and
 debugging). The parent-side API is thread-safe.
 """
@@ -932,6 +933,7 @@ class TorchEngine:
         with self._lock:
             if self._publishing is publishing:
                 self._publishing = None
+            self._pending.pop(publishing[0], None)
         raise RuntimeError(_publish_error(publishing[2], publishing[1].exception()))
 
     def pause(self) -> None:

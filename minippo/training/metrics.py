@@ -313,8 +313,8 @@ class MetricAverager:
     def __init__(self) -> None:
         self._sums: dict[str, Any] = {}
         self._weights: dict[str, Any] = {}
-        # tensor values of one add() call with the same keys and dtype, summed as one vector:
-        # (keys, dtype) -> [Σ weight · values (float64 vector), Σ weight]
+        # 0-dim tensor values of one add() call, one vector per dtype and device:
+        # (keys, dtype, device) -> [Σ weight · values (float64 vector), Σ weight]
         self._groups: dict[tuple, list] = {}
 
     def add(self, stats: Mapping[str, Any], weight: Any = 1.0) -> None:
@@ -336,9 +336,9 @@ class MetricAverager:
             else:
                 self._sums[k] = self._sums.get(k, 0.0) + v * w
                 self._weights[k] = self._weights.get(k, 0.0) + w
-        for (dtype, _), items in vectors.items():  # the same float64 arithmetic, per element
+        for where, items in vectors.items():  # the same float64 arithmetic, per element
             values = torch.stack([v.detach() for _, v in items]).to(torch.float64)
-            group = self._groups.setdefault((tuple(k for k, _ in items), dtype), [0.0, 0.0])
+            group = self._groups.setdefault((tuple(k for k, _ in items), *where), [0.0, 0.0])
             group[0] = group[0] + values * w
             group[1] = group[1] + w
 
@@ -352,7 +352,7 @@ class MetricAverager:
         sums = dict(zip(keys, values[:n]))
         weights = dict(zip(keys, values[n : 2 * n]))
         at = 2 * n
-        for group_keys, _ in self._groups:  # a key in several groups: their sums and weights
+        for group_keys, *_ in self._groups:  # a key in several groups: their sums and weights
             w = values[at + len(group_keys)]
             for i, k in enumerate(group_keys):
                 sums[k] = sums.get(k, 0.0) + values[at + i]

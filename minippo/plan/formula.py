@@ -120,28 +120,31 @@ def _local(shapes: Iterable[Sequence[int]], world: int) -> list[int]:
 # Activations
 
 
-def block_saved_bytes_per_token(args: Any, *, compute_bytes: int, kv_len: int, mask: bool) -> int:
+def block_saved_bytes_per_token(
+    args: Any, *, compute_bytes: int, kv_len: int, mask: bool, device: str = "cuda"
+) -> int:
     """Bytes one decoder block saves for backward per token (no checkpointing).
 
     Counted from the ops of ``minippo.models.model.TransformerBlock`` (c = compute bytes, norms
-    compute in fp32):
-        2 RMSNorms      2 · (4D fp32 input + 4 rsqrt + c·D normed-before-weight + c·D output)
-        q/k RMSNorm     (H + H_kv) · (4·hd + 4 + c·hd)                         (Qwen3 only)
+    compute in fp32; each RMSNorm is one autograd node that saves its fp32 normed input and
+    rsqrt, RoPE one that saves only cos/sin):
+        2 RMSNorms      2 · (4D normed + 4 rsqrt + c·D output, saved by the next linear layers)
+        q/k RMSNorm     (H + H_kv) · (4·hd + 4)                                 (Qwen3 only)
         attention       c·hd·(2H + 2H_kv') (q, k after RoPE, v, output) + 4H (logsumexp);
-                        with a padding mask, H_kv' = H (the model repeats k/v for the masked
-                        fused kernels, which lack GQA) and + c·kv_len (the boolean mask turned
-                        into an additive bias [B, 1, S, S_kv], saved by the kernel); without a
-                        mask H_kv' = H_kv
+                        with a padding mask + c·kv_len (the boolean mask turned into an additive
+                        bias [B, 1, S, S_kv], saved by the kernel), and on a GPU H_kv' = H (the
+                        model repeats k/v for the masked fused kernels, which lack GQA; the CPU
+                        kernel takes GQA with a mask); otherwise H_kv' = H_kv
         SwiGLU          4·c·I (gate, up, silu(gate), their product)
-    (without q/k norm RoPE keeps nothing: its multiplications only save cos/sin.)
+    ``device``: "cuda" or "cpu" (where the block runs).
     """
     c, D, inter, hd = compute_bytes, args.dim, args.intermediate_size, args.head_dim
     H, Hkv = args.n_heads, args.n_kv_heads
-    total = 2 * (4 * D + 4 + 2 * c * D)
+    total = 2 * (4 * D + 4 + c * D)
     if args.qk_norm:
-        total += (H + Hkv) * (4 * hd + 4 + c * hd)
-    # with a padding mask the fused masked kernels take no GQA: k/v are repeated to H heads
-    kv_heads = H if mask else Hkv
+        total += (H + Hkv) * (4 * hd + 4)
+    # with a padding mask the masked fused GPU kernels take no GQA: k/v are repeated to H heads
+    kv_heads = H if mask and device != "cpu" else Hkv
     total += c * hd * (2 * H + 2 * kv_heads) + 4 * H
     if mask:
         total += c * kv_len
@@ -180,6 +183,7 @@ def activation_bytes(
     lm_head: bool = True,
     mask: bool = True,
     entropy: bool = True,
+    device: str = "cuda",
 ) -> ActivationBytes:
     """Activations of ``micro_batch`` sequences of ``seq_len`` tokens, ``response_len`` of which
     are scored (actor: chunked logprobs over the vocabulary; critic: ``lm_head=False``, a scalar
@@ -188,7 +192,7 @@ def activation_bytes(
         T = micro_batch · seq_len, R = micro_batch · response_len, c = compute bytes
         per block              block_saved_bytes_per_token · T   (checkpointed: c·T·D, the input)
         globals                8·T (token ids) + 2·c·T·hd (RoPE cos/sin) + final norm
-                               (4·T·D + 4·T + c·T·D) + the scored hidden rows c·R·D (actor)
+                               (4·T·D + 4·T) + the scored hidden rows c·R·D (actor)
         lm_head chunk (bwd)    n · V · 16 bytes (20 with the entropy, which the recipe's training
                                forward computes), n = min(logits_chunk, R): the chunk's logits, their
                                fp32 copy, scaled copy, softmax and gradients (measured on CPU)
@@ -202,9 +206,12 @@ def activation_bytes(
         raise ValueError(f"response_len ({response_len}) must be in [0, seq_len ({seq_len})]")
     c, D = compute_bytes, args.dim
     T, R = micro_batch * seq_len, micro_batch * response_len
-    block = block_saved_bytes_per_token(args, compute_bytes=c, kv_len=seq_len, mask=mask) * T
+    block = block_saved_bytes_per_token(
+        args, compute_bytes=c, kv_len=seq_len, mask=mask, device=device
+    )
+    block *= T
     blocks = args.n_layers * (c * T * D if checkpointing else block)
-    globals_ = 8 * T + 2 * c * T * args.head_dim + (4 * T * D + 4 * T + c * T * D)
+    globals_ = 8 * T + 2 * c * T * args.head_dim + (4 * T * D + 4 * T)
     transient = 4 * T * D
     if lm_head:
         globals_ += c * R * D
@@ -769,6 +776,7 @@ def _model_items(
         logits_chunk=x.logits_chunk,
         lm_head=not value_head,
         mask=x.mask,
+        device=x.device,
     )
     return items, act
 
@@ -808,6 +816,7 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
         checkpointing=not x.activation_checkpointing,
         logits_chunk=x.logits_chunk,
         mask=x.mask,
+        device=x.device,
     )
     without = f"{'without' if x.activation_checkpointing else 'with'} AC: {_size(alt.total)}"
     largest = max(a.total for _, a in acts)

@@ -126,6 +126,75 @@ def test_kv_cache_decode_equals_full_forward(variant):
         )
 
 
+def _rmsnorm_formula(x, w, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_node_equals_autograd_of_its_formula(dtype):
+    """RMSNorm is one autograd node with a hand-written backward: its forward is the formula's
+    (bit for bit), its gradients are the formula's up to the rounding of ``dtype``."""
+    from minippo.models.model import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    D = 64
+    x = torch.randn(3, 5, D, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    upstream = torch.randn(3, 5, D, generator=g).to(dtype)
+    norm = RMSNorm(D, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+
+    def grads(fn, x, w):
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(x, w)
+        y.backward(upstream.to(y.dtype))
+        return y.detach(), x.grad, w.grad
+
+    y, dx, dw = grads(lambda x, w: torch.func.functional_call(norm, {"weight": w}, (x,)), x, w)
+    y_ref, dx_ref, dw_ref = grads(lambda x, w: _rmsnorm_formula(x, w, 1e-6), x, w)
+    assert torch.equal(y, y_ref)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    # float64 truth of the formula; either float path may be off by a few roundings of its dtype
+    # per reduction over D terms (fp32: D·2^-24 relative; bf16: the output cast, 2^-8 relative)
+    _, dx64, dw64 = grads(lambda x, w: _rmsnorm_formula(x, w, 1e-6), x.double(), w.double())
+    unit = D * 2**-24 if dtype == torch.float32 else 4 * 2**-8
+    for got, ref, truth in ((dx, dx_ref, dx64), (dw, dw_ref, dw64)):
+        tol = unit * truth.abs().max().item()
+        assert (got.double() - truth).abs().max().item() <= tol
+        assert (ref.double() - truth).abs().max().item() <= tol
+    # a frozen weight (the reference model): only the input gets a gradient
+    xr = x.clone().requires_grad_()
+    norm.weight.requires_grad_(False)
+    norm(xr).backward(upstream)
+    assert norm.weight.grad is None and torch.equal(xr.grad, dx)
+
+
+def test_rope_node_equals_autograd_of_its_formula():
+    """RoPE is one autograd node: the same output and the same gradient, bit for bit, as
+    autograd of x·cos + rotate_half(x)·sin."""
+    from minippo.models.model import apply_rope, rope_cos_sin, rope_inv_freq
+
+    args = qwen3_tiny()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 5, args.head_dim, generator=g)
+    upstream = torch.randn(2, 4, 5, args.head_dim, generator=g)
+    cos, sin = rope_cos_sin(rope_inv_freq(args), torch.arange(3, 8).expand(2, 5), torch.float32)
+
+    def formula(x):
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * c + torch.cat((-x2, x1), dim=-1) * s
+
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = apply_rope(xa, cos, sin), formula(xb)
+    ya.backward(upstream)
+    yb.backward(upstream)
+    assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
+
+
 def test_token_logprobs_matches_naive_and_backprops():
     model = tiny_model()
     tokens, mask, pos = left_padded_batch([6, 9, 4], S=9, vocab=64)

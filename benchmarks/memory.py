@@ -267,7 +267,11 @@ def recipe_tensor_peak(overrides: list[str], out_dir: Path) -> int:
     step of ``tiny_cpu`` with ``overrides``; torchao's compiled steps run eagerly (compiling
     refuses to run under a dispatch mode)."""
     recipe = runpy.run_path(str(REPO / "recipes" / "async_ppo.py"), run_name="recipe")
-    cfg = load_config("tiny_cpu", [*QUIET_RUN, f"output_dir={out_dir}", *overrides])
+    # the benchmark's own scratch folder: a rerun replaces the last run's outputs
+    cfg = load_config(
+        "tiny_cpu",
+        [*QUIET_RUN, f"output_dir={out_dir}", "overwrite_output_dir=true", *overrides],
+    )
     run = recipe["AsyncPPORecipe"](cfg)
     tracker = TensorMemoryTracker()
     try:

@@ -154,29 +154,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     x' = x * cos + rotate_half(x) * sin,  rotate_half([x1, x2]) = [-x2, x1]
     """
-    return _Rope.apply(x, cos.unsqueeze(1), sin.unsqueeze(1))
+    return _rope(x, cos.unsqueeze(1), sin.unsqueeze(1))
 
 
-class _Rope(torch.autograd.Function):
-    """RoPE of ``x [B, heads, S, hd]`` by ``cos/sin [B, 1, S, hd]`` (no gradient to the tables).
-
-    One autograd node instead of six; the forward is the same arithmetic as the formula above.
-    The rotation is orthogonal, so the backward applies its transpose to the incoming gradient:
-    dx = g * cos + rotate_half^T(g * sin),  rotate_half^T([y1, y2]) = [y2, -y1]
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        cos, sin = ctx.saved_tensors
-        y1, y2 = (g * sin).chunk(2, dim=-1)
-        return g * cos + torch.cat((y2, -y1), dim=-1), None, None
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` with tables ``[B, 1, S, hd]`` (one head axis, made once per forward)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,7 +296,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, hd]
-        q, k = _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v, start)
         gqa = self.n_heads != self.n_kv_heads

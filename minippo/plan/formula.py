@@ -127,7 +127,7 @@ def block_saved_bytes_per_token(
 
     Counted from the ops of ``minippo.models.model.TransformerBlock`` (c = compute bytes, norms
     compute in fp32; each RMSNorm is one autograd node that saves its fp32 normed input and
-    rsqrt, RoPE one that saves only cos/sin):
+    rsqrt; RoPE's multiplications save only cos/sin):
         2 RMSNorms      2 · (4D normed + 4 rsqrt + c·D output, saved by the next linear layers)
         q/k RMSNorm     (H + H_kv) · (4·hd + 4)                                 (Qwen3 only)
         attention       c·hd·(2H + 2H_kv') (q, k after RoPE, v, output) + 4H (logsumexp);

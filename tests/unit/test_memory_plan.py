@@ -192,7 +192,9 @@ def tiny_job_peak(
         opts = [build_optimizer(node, m.parameters()) for m in models]
         corr = build_correction(cfg, temperature=1.0, updates_per_step=1)
         corr.on_weights_published(0, actor)
-        for step in range(2):
+        # max_staleness + 1 steps: a step trains while holding every snapshot the plan counts
+        # for keep_old_actor (one per version 0..max_staleness)
+        for step in range(max_staleness + 1):
             batch = _batch(args, 2 * micro_batch, P, R, gen)
             corr.prepare(batch, actor, step=step)
             for model, opt in zip(models, opts):

@@ -172,29 +172,6 @@ def test_rmsnorm_node_equals_autograd_of_its_formula(dtype):
     assert norm.weight.grad is None and torch.equal(xr.grad, dx)
 
 
-def test_rope_node_equals_autograd_of_its_formula():
-    """RoPE is one autograd node: the same output and the same gradient, bit for bit, as
-    autograd of x·cos + rotate_half(x)·sin."""
-    from minippo.models.model import apply_rope, rope_cos_sin, rope_inv_freq
-
-    args = qwen3_tiny()
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 4, 5, args.head_dim, generator=g)
-    upstream = torch.randn(2, 4, 5, args.head_dim, generator=g)
-    cos, sin = rope_cos_sin(rope_inv_freq(args), torch.arange(3, 8).expand(2, 5), torch.float32)
-
-    def formula(x):
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * c + torch.cat((-x2, x1), dim=-1) * s
-
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, yb = apply_rope(xa, cos, sin), formula(xb)
-    ya.backward(upstream)
-    yb.backward(upstream)
-    assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
-
-
 def test_token_logprobs_matches_naive_and_backprops():
     model = tiny_model()
     tokens, mask, pos = left_padded_batch([6, 9, 4], S=9, vocab=64)

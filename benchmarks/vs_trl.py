@@ -43,6 +43,8 @@ alone; TRL: step − generation). Needs ``trl`` (``pip install -e .[bench]``).
     python benchmarks/vs_trl.py --quick          # 3 steps of each setting on copy, in parallel
     python benchmarks/vs_trl.py                  # the table of docs/benchmarks.md
     python benchmarks/vs_trl.py --workloads long --repeats 3
+    python benchmarks/vs_trl.py --workloads long10m --seeds 0 1 2 3 4 --repeats 1   # learning
+                                                  # per step over 5 seeds, paired against TRL
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -607,10 +609,10 @@ def run_workload(
     parallel: bool,
     **options: Any,
 ) -> dict[str, list[Run]]:
-    folder = out / f"{w.name}_init"
+    folder = out / f"{w.name}_s{w.seed}_init"
     n_params = export_problem(w, folder)
     print(
-        f"\n## workload {w.name}: {n_params / 1e6:.2f}M parameters, {w.groups} prompts x "
+        f"\n## workload {w.name} (seed {w.seed}): {n_params / 1e6:.2f}M parameters, {w.groups} prompts x "
         f"{w.samples} samples, {w.max_new_tokens} new tokens "
         f"({'stop at EOS' if w.stop_at_eos else 'no stop'}), {w.steps} steps, first {w.warm} "
         f"left out of s/step, {repeats} run(s) per setting interleaved",
@@ -620,7 +622,7 @@ def run_workload(
     with PssPeaks() as pss:
 
         def one(rep: int, setting: str) -> Run:
-            d = out / f"{w.name}_{setting}_r{rep}"
+            d = out / f"{w.name}_{setting}_s{w.seed}_r{rep}"
             pss.keys.append(str(d))
             if setting.startswith("trl"):
                 run = run_trl(w, folder, d, int(setting[3:]))
@@ -697,11 +699,58 @@ def report(w: Workload, runs: dict[str, list[Run]]) -> str:
     return table
 
 
+def learning_report(w: Workload, by_seed: dict[int, dict[str, list[Run]]]) -> str:
+    """Learning per step over workload seeds: each setting's final reward (mean over seeds of
+    its runs' mean), and each minippo setting minus TRL, paired by seed (the same initial
+    weights and prompt set), with 95% Student-t intervals over the seeds."""
+    seeds = sorted(by_seed)
+    settings = list(by_seed[seeds[0]])
+    final = {
+        s: [statistics.fmean(r.figures(w)["final_reward"] for r in by_seed[k][s]) for k in seeds]
+        for s in settings
+    }
+
+    def mean_ci(xs: list[float]) -> str:
+        half = T95[len(xs) - 1] * statistics.stdev(xs) / math.sqrt(len(xs))
+        return f"{statistics.fmean(xs):+.3f} ± {half:.3f}"
+
+    trl = next((s for s in settings if s.startswith("trl")), None)
+    rows = []
+    for s in settings:
+        diff = "—"
+        if trl is not None and s != trl:
+            diff = mean_ci([a - b for a, b in zip(final[s], final[trl])])
+        rows.append(
+            [
+                setting_name(s),
+                mean_ci(final[s]).lstrip("+"),
+                diff,
+                " ".join(f"{x:.3f}" for x in final[s]),
+            ]
+        )
+    heads = ["setting", "final reward (mean ± 95%)", "minus TRL, paired by seed", "per seed"]
+    return f"learning over seeds {seeds} (final reward: mean of the last 5 steps)\n" + (
+        markdown_table(heads, rows)
+    )
+
+
+# two-sided 95% Student-t quantiles by degrees of freedom
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="3 steps of each setting on copy")
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["copy", "long"])
     p.add_argument("--repeats", type=int, default=2, help="runs per setting (interleaved)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="workload seeds (initial weights, prompt set, sampling), each run --repeats times; "
+        "with 2 to 10 seeds the report adds the learning over seeds, paired against TRL",
+    )
     p.add_argument("--threads", type=int, default=1, help="minippo trainer threads")
     p.add_argument(
         "--trl-threads",
@@ -755,20 +804,29 @@ def main() -> None:
         f"minippo: sync correction rollout_logprobs, async correction {a.async_correction}, "
         f"ppo.fused_loss={str(a.fused_loss).lower()}" + "".join(f" {x}" for x in a.set)
     )
+    seeds = [0] if a.quick else a.seeds
+    if len(seeds) > 1 and not 2 <= len(seeds) <= len(T95) + 1:
+        sys.exit(f"--seeds: give 1 to {len(T95) + 1} seeds, got {len(seeds)}")
     for name in names:
-        w = quick_workload(WORKLOADS[name]) if a.quick else WORKLOADS[name]
-        runs = run_workload(
-            w,
-            a.out,
-            settings,
-            repeats,
-            a.threads,
-            parallel=a.quick,
-            async_correction=a.async_correction,
-            fused_loss=a.fused_loss,
-            extra=tuple(a.set),
-        )
+        base = quick_workload(WORKLOADS[name]) if a.quick else WORKLOADS[name]
+        by_seed: dict[int, dict[str, list[Run]]] = {}
+        for seed in seeds:
+            by_seed[seed] = run_workload(
+                replace(base, seed=seed),
+                a.out,
+                settings,
+                repeats,
+                a.threads,
+                parallel=a.quick,
+                async_correction=a.async_correction,
+                fused_loss=a.fused_loss,
+                extra=tuple(a.set),
+            )
+        w = replace(base, seed=seeds[0])
+        runs = {s: [r for k in seeds for r in by_seed[k][s]] for s in settings}
         print(report(w, runs))
+        if len(seeds) > 1:
+            print(learning_report(w, by_seed))
         if "trl" in a.settings:
             lr_trl = runs[settings[-1]][0].extra["lr"]
             print(f"TRL lr per step: {', '.join(f'{x:.3g}' for x in lr_trl[:4])} ...", flush=True)

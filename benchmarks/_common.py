@@ -8,8 +8,10 @@ import it as ``benchmarks._common``.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import threading
@@ -255,6 +257,17 @@ def machine() -> str:
         f"{cpu}, {os.cpu_count()} cores, {ram}, torch {torch.__version__}, Python "
         f"{platform.python_version()}, load average {load_average():.2f}"
     )
+
+
+# two-sided 95% Student-t quantiles by degrees of freedom (n - 1); 1.96 beyond
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def ci95(xs: Sequence[float]) -> float:
+    """Half-width of the 95% Student-t interval of the mean of ``xs`` (0 for fewer than 2)."""
+    if len(xs) < 2:
+        return 0.0
+    return T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

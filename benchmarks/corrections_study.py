@@ -52,6 +52,7 @@ from pathlib import Path
 from _common import (
     DEFAULT_OUT,
     RecipeRun,
+    ci95,
     correction_bytes,
     load_average,
     machine,
@@ -103,8 +104,6 @@ REGIMES: dict[str, list[str]] = {
     ],
 }
 SMOOTH = 5  # default steps of the trailing mean ("final reward", "steps to 80%", collapses)
-# two-sided 95% Student-t quantiles by degrees of freedom (n seeds - 1); 1.96 beyond
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 @dataclass(frozen=True)
@@ -218,13 +217,6 @@ def staleness_histogram(run: RecipeRun) -> tuple[Counter, bool]:
 
 def mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else math.nan
-
-
-def ci95(xs: list[float]) -> float:
-    """Half-width of the 95% Student-t interval of the mean of ``xs`` (0 for fewer than 2)."""
-    if len(xs) < 2:
-        return 0.0
-    return T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
 def summarize(cell: Cell, runs: list[RecipeRun], reference: float, smooth: int) -> dict:

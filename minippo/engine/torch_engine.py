@@ -42,6 +42,7 @@ import os
 import queue as queue_lib
 import random
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -55,6 +56,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from minippo.config._report import debug
 from minippo.engine._cpu_kernels import onednn_linear_available, pack_linears
 from minippo.engine.protocol import (
     Completion,
@@ -639,6 +641,31 @@ class _SharedBucket:
         return _bucket_views, (self.buffers, self.layout)
 
 
+def _quiet_dead_peer_handovers() -> None:
+    """Keep a dead engine's half-finished handover from printing a traceback (once per process).
+
+    A shared storage crosses to the engine as a file descriptor that a background thread of
+    multiprocessing (``resource_sharer``) serves on request. If the engine dies in the middle of
+    that exchange, the thread's connection error goes to ``sys.excepthook`` and prints a
+    traceback, while the trainer already reports the engine's death in one line (the pending
+    publish fails). This hook drops exactly those errors (an ``OSError`` or ``EOFError`` raised
+    inside ``resource_sharer``) unless ``MINIPPO_LOG_LEVEL=DEBUG``; everything else goes to the
+    previous hook."""
+    previous = sys.excepthook
+    if getattr(previous, "_minippo_dead_peer_filter", False):
+        return
+
+    def hook(etype, value, tb) -> None:
+        frames = traceback.extract_tb(tb)
+        from_sharer = bool(frames) and frames[0].filename.endswith("resource_sharer.py")
+        if from_sharer and issubclass(etype, OSError | EOFError) and not debug():
+            return
+        previous(etype, value, tb)
+
+    hook._minippo_dead_peer_filter = True
+    sys.excepthook = hook
+
+
 def _bucket_views(buffers: dict, layout: list) -> list[tuple[str, torch.Tensor]]:
     """``_SharedBucket`` unpickled: ``(name, tensor)`` views of the shared buffers."""
     out = []
@@ -767,6 +794,7 @@ class TorchEngine:
             )
             self._server_thread.start()
         else:
+            _quiet_dead_peer_handovers()
             ctx = mp.get_context("spawn")
             self._inbox = ctx.Queue()
             self._outbox = ctx.Queue()

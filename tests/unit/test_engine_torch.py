@@ -546,3 +546,35 @@ def test_quantized_engine_samples_from_the_rounded_model(fmt):
 def test_unknown_quantize_format_is_refused():
     with pytest.raises(ValueError, match=r"engine\.quantize must be null or one of"):
         TorchEngine(ARGS, in_process=True, quantize="int2")
+
+
+def test_a_dead_engine_mid_handover_prints_no_traceback(monkeypatch, capsys):
+    """The fd handover thread of multiprocessing (``resource_sharer``) reports a peer that died
+    mid-exchange through ``sys.excepthook``; the engine's hook drops exactly that (the trainer
+    reports the engine's death in one line) unless MINIPPO_LOG_LEVEL=DEBUG."""
+    import sys
+
+    from minippo.engine.torch_engine import _quiet_dead_peer_handovers
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    _quiet_dead_peer_handovers()
+    _quiet_dead_peer_handovers()  # installed once
+
+    def raised_in(filename: str, exc: str) -> tuple:
+        """exc_info of ``exc`` raised and caught in code of ``filename`` (as _serve catches)."""
+        src = f"import sys\ntry:\n    raise {exc}('peer gone')\nexcept BaseException:\n"
+        src += "    info = sys.exc_info()\n"
+        namespace: dict = {}
+        exec(compile(src, filename, "exec"), namespace)
+        return namespace["info"]
+
+    sharer = "/usr/lib/python3/multiprocessing/resource_sharer.py"
+    monkeypatch.delenv("MINIPPO_LOG_LEVEL", raising=False)
+    sys.excepthook(*raised_in(sharer, "ConnectionResetError"))
+    assert capsys.readouterr().err == ""
+    sys.excepthook(*raised_in(sharer, "ValueError"))  # not a connection error: shown
+    sys.excepthook(*raised_in("/somewhere/else.py", "ConnectionResetError"))  # elsewhere: shown
+    assert capsys.readouterr().err.count("Traceback") == 2
+    monkeypatch.setenv("MINIPPO_LOG_LEVEL", "DEBUG")
+    sys.excepthook(*raised_in(sharer, "ConnectionResetError"))
+    assert "ConnectionResetError: peer gone" in capsys.readouterr().err

@@ -154,13 +154,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     x' = x * cos + rotate_half(x) * sin,  rotate_half([x1, x2]) = [-x2, x1]
     """
-    return _rope(x, cos.unsqueeze(1), sin.unsqueeze(1))
+    return _rope(x, *_rope_tables(cos, sin))
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`apply_rope` with tables ``[B, 1, S, hd]`` (one head axis, made once per forward)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables :func:`_rope` takes, made once per forward: ``cos`` and the signed sine
+    ``[-sin₁, sin₂]`` (halves), each ``[B, 1, S, hd]`` (one head axis)."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos.unsqueeze(1), signed.unsqueeze(1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` with the tables of :func:`_rope_tables`: rotate_half(x)·sin is
+    [x₂, x₁]·[-sin₁, sin₂], so one roll replaces the split, negation and concatenation (the same
+    products, bit for bit, forward and backward)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,10 +185,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNorm.apply(x, self.weight, self.eps)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNorm.apply(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps)[0]  # no graph: skip the node's overhead
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+
+def _rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The formula of :class:`RMSNorm`: (output, fp32 normed input, rsqrt)."""
+    h = x.float()
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * rstd
+    return weight * h.to(x.dtype), h, rstd
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -192,16 +213,17 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        h = x.float()
-        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        h = h * rstd
+        y, h, rstd = _rms_norm(x, weight, eps)
         ctx.save_for_backward(h, rstd, weight)
         ctx.x_dtype = x.dtype
-        return weight * h.to(x.dtype)
+        return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        if torch.is_grad_enabled():  # create_graph: the saved tensors carry no graph to x
+            raise RuntimeError(
+                "RMSNorm's autograd node has no second derivative (backward with create_graph)"
+            )
         h, rstd, weight = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[1]:
@@ -287,8 +309,9 @@ class Attention(nn.Module):
         layer: int,
         start: int,
     ) -> torch.Tensor:
-        """x [B, S, D] -> [B, S, D]; ``cos/sin [B, 1, S, hd]`` (the RoPE tables, one head axis);
-        ``mask`` Bool[B, 1, S, S_kv] (True = attend) or None (causal)."""
+        """x [B, S, D] -> [B, S, D]; ``cos/sin [B, 1, S, hd]`` (:func:`_rope_tables`);
+        ``mask`` [B, 1, S, S_kv] in x's dtype, 0 where a query may attend and -inf elsewhere
+        (:func:`attention_mask_4d` made additive, once per forward), or None (causal)."""
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
@@ -424,9 +447,10 @@ class _Decoder(nn.Module):
                 f"position_ids shape {tuple(position_ids.shape)} != tokens shape {tuple(tokens.shape)}"
             )
         h = self.tok_embeddings(tokens)
-        cos, sin = rope_cos_sin(self._rope_inv_freq(h.device), position_ids, h.dtype)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, hd]: one table for all heads
+        cos, sin = _rope_tables(*rope_cos_sin(self._rope_inv_freq(h.device), position_ids, h.dtype))
         mask = attention_mask_4d(attention_mask, start, S, tokens.device)
+        if mask is not None:  # the additive form SDPA would otherwise build in every block
+            mask = torch.zeros_like(mask, dtype=h.dtype).masked_fill_(~mask, float("-inf"))
         for layer in self.layers:
             h = layer(h, cos, sin, mask, kv_cache, start)
         if kv_cache is not None:

@@ -121,7 +121,7 @@ def _local(shapes: Iterable[Sequence[int]], world: int) -> list[int]:
 
 
 def block_saved_bytes_per_token(
-    args: Any, *, compute_bytes: int, kv_len: int, mask: bool, device: str = "cuda"
+    args: Any, *, compute_bytes: int, mask: bool, device: str = "cuda"
 ) -> int:
     """Bytes one decoder block saves for backward per token (no checkpointing).
 
@@ -131,10 +131,10 @@ def block_saved_bytes_per_token(
         2 RMSNorms      2 · (4D normed + 4 rsqrt + c·D output, saved by the next linear layers)
         q/k RMSNorm     (H + H_kv) · (4·hd + 4)                                 (Qwen3 only)
         attention       c·hd·(2H + 2H_kv') (q, k after RoPE, v, output) + 4H (logsumexp);
-                        with a padding mask + c·kv_len (the boolean mask turned into an additive
-                        bias [B, 1, S, S_kv], saved by the kernel), and on a GPU H_kv' = H (the
-                        model repeats k/v for the masked fused kernels, which lack GQA; the CPU
-                        kernel takes GQA with a mask); otherwise H_kv' = H_kv
+                        with a padding mask on a GPU H_kv' = H (the model repeats k/v for the
+                        masked fused kernels, which lack GQA; the CPU kernel takes GQA with a
+                        mask); otherwise H_kv' = H_kv. The additive mask itself is made once per
+                        forward and shared by the blocks: :func:`activation_bytes` counts it
         SwiGLU          4·c·I (gate, up, silu(gate), their product)
     ``device``: "cuda" or "cpu" (where the block runs).
     """
@@ -146,8 +146,6 @@ def block_saved_bytes_per_token(
     # with a padding mask the masked fused GPU kernels take no GQA: k/v are repeated to H heads
     kv_heads = H if mask and device != "cpu" else Hkv
     total += c * hd * (2 * H + 2 * kv_heads) + 4 * H
-    if mask:
-        total += c * kv_len
     total += 4 * c * inter
     return total
 
@@ -192,7 +190,9 @@ def activation_bytes(
         T = micro_batch · seq_len, R = micro_batch · response_len, c = compute bytes
         per block              block_saved_bytes_per_token · T   (checkpointed: c·T·D, the input)
         globals                8·T (token ids) + 2·c·T·hd (RoPE cos/sin) + final norm
-                               (4·T·D + 4·T) + the scored hidden rows c·R·D (actor)
+                               (4·T·D + 4·T) + the scored hidden rows c·R·D (actor); with a
+                               padding mask + c·T·seq_len (the additive mask [B, 1, S, S], made
+                               once per forward and saved by every block's attention)
         lm_head chunk (bwd)    n · V · 16 bytes (20 with the entropy, which the recipe's training
                                forward computes), n = min(logits_chunk, R): the chunk's logits, their
                                fp32 copy, scaled copy, softmax and gradients (measured on CPU)
@@ -206,12 +206,12 @@ def activation_bytes(
         raise ValueError(f"response_len ({response_len}) must be in [0, seq_len ({seq_len})]")
     c, D = compute_bytes, args.dim
     T, R = micro_batch * seq_len, micro_batch * response_len
-    block = block_saved_bytes_per_token(
-        args, compute_bytes=c, kv_len=seq_len, mask=mask, device=device
-    )
+    block = block_saved_bytes_per_token(args, compute_bytes=c, mask=mask, device=device)
     block *= T
     blocks = args.n_layers * (c * T * D if checkpointing else block)
     globals_ = 8 * T + 2 * c * T * args.head_dim + (4 * T * D + 4 * T)
+    if mask:
+        globals_ += c * T * seq_len
     transient = 4 * T * D
     if lm_head:
         globals_ += c * R * D

@@ -35,7 +35,7 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> t
     Masked-out entries are replaced by 0 before summing, so a ``nan`` there does not leak.
     """
     _check_same_shape(x, mask)
-    x = torch.where(mask > 0, x, torch.zeros_like(x))
+    x = torch.where(mask > 0, x, 0)
     return x.sum() if dim is None else x.sum(dim)
 
 
@@ -44,8 +44,11 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
     mean = Σ m·x / max(Σ m, 1): an empty selection gives 0 (finite), never ``nan``.
     """
-    count = masked_sum(torch.ones_like(x), mask, dim)
-    return masked_sum(x, mask, dim) / count.clamp(min=1)
+    _check_same_shape(x, mask)
+    valid = mask > 0
+    total = torch.where(valid, x, 0)
+    total, count = (total.sum(), valid.sum()) if dim is None else (total.sum(dim), valid.sum(dim))
+    return total / count.clamp(min=1)  # an exact integer count: the same quotient as in x's dtype
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = True) -> torch.Tensor:

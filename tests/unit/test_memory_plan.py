@@ -119,9 +119,7 @@ def test_block_activation_formula_is_exact(dtype, variant):
     per_block = (saved[3] - saved[1]) // 2
     assert (
         per_block
-        == block_saved_bytes_per_token(args, compute_bytes=c, kv_len=S, mask=True, device="cpu")
-        * B
-        * S
+        == block_saved_bytes_per_token(args, compute_bytes=c, mask=True, device="cpu") * B * S
     )
 
 

@@ -170,6 +170,13 @@ def test_rmsnorm_node_equals_autograd_of_its_formula(dtype):
     norm.weight.requires_grad_(False)
     norm(xr).backward(upstream)
     assert norm.weight.grad is None and torch.equal(xr.grad, dx)
+    # no graph: the formula itself, the same bits
+    with torch.no_grad():
+        assert torch.equal(norm(x), y)
+    # a graph of the backward (create_graph) would miss the saved tensors' dependence on x
+    xr = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(norm(xr), xr, upstream, create_graph=True)
 
 
 def test_token_logprobs_matches_naive_and_backprops():

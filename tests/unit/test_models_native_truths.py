@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from minippo.models import ModelArgs, Transformer, init_weights, llama3_2_1b, qwen3_tiny
-from minippo.models.model import apply_rope, rope_cos_sin, rope_inv_freq
+from minippo.models.model import _rope_tables, apply_rope, rope_cos_sin, rope_inv_freq
 
 U = torch.finfo(torch.float32).eps / 2  # 2⁻²⁴
 
@@ -135,16 +135,18 @@ def attention_by_hand(attn, x: torch.Tensor, n_heads: int, n_kv: int, theta: flo
 @pytest.mark.parametrize("padded", [False, True])
 def test_attention_layer_equals_the_formula_written_out(padded):
     """Attention (GQA: 4 query heads on 2 kv heads) against the hand computation, through both
-    paths of the layer: plain causal (SDPA's native GQA) and with a padding mask (explicit
-    key/value repetition)."""
+    paths of the layer: plain causal (SDPA's native GQA) and with an additive padding mask."""
     args = qwen3_tiny()
     model = init_weights(Transformer(args), seed=3, std=0.2)
     attn = model.layers[0].attention
     S = 6
     x = torch.randn(1, S, args.dim, generator=torch.Generator().manual_seed(4))
     pos = torch.arange(S)[None]
-    cos, sin = rope_cos_sin(rope_inv_freq(args), pos, torch.float32)
-    mask = torch.ones(1, 1, S, S, dtype=torch.bool).tril() if padded else None
+    cos, sin = _rope_tables(*rope_cos_sin(rope_inv_freq(args), pos, torch.float32))
+    mask = None
+    if padded:  # the additive form the decoder hands its blocks
+        allowed = torch.ones(1, 1, S, S, dtype=torch.bool).tril()
+        mask = torch.zeros(1, 1, S, S).masked_fill_(~allowed, float("-inf"))
     with torch.no_grad():
         got = attn(x, cos, sin, mask, None, 0, 0)[0]
         want = attention_by_hand(attn, x[0], args.n_heads, args.n_kv_heads, args.rope_theta, 1e-6)

@@ -309,10 +309,11 @@ class Attention(nn.Module):
         layer: int,
         start: int,
     ) -> torch.Tensor:
-        """x [B, S, D] -> [B, S, D]; ``cos/sin [B, 1, S, hd]`` (:func:`_rope_tables`);
-        ``mask`` [B, 1, S, S_kv] in x's dtype, 0 where a query may attend and -inf elsewhere
-        (:func:`attention_mask_4d` made additive, once per forward), or None (causal)."""
-        B, S, _ = x.shape
+        """x [B·S, D] (rows are tokens) -> [B·S, D]; ``cos/sin [B, 1, S, hd]``
+        (:func:`_rope_tables`, which also give B and S); ``mask`` [B, 1, S, S_kv] in x's dtype, 0
+        where a query may attend and -inf elsewhere (:func:`attention_mask_4d` made additive,
+        once per forward), or None (causal)."""
+        B, S = cos.shape[0], cos.shape[2]
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
@@ -338,7 +339,7 @@ class Attention(nn.Module):
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
                 gqa = False
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        return self.wo(out.transpose(1, 2).reshape(B * S, -1))
 
 
 class FeedForward(nn.Module):
@@ -370,6 +371,7 @@ class TransformerBlock(nn.Module):
         kv_cache: KVCache | None,
         start: int,
     ) -> torch.Tensor:
+        """x [B·S, D] -> [B·S, D] (see :meth:`Attention.forward`)."""
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, kv_cache, self.layer, start)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -446,7 +448,9 @@ class _Decoder(nn.Module):
             raise ValueError(
                 f"position_ids shape {tuple(position_ids.shape)} != tokens shape {tuple(tokens.shape)}"
             )
-        h = self.tok_embeddings(tokens)
+        # the blocks take the residual stream as [B·S, D]: 2-D inputs go to the matrix multiply
+        # as they are, with no reshape (and its backward node) around every linear layer
+        h = self.tok_embeddings(tokens.reshape(-1))
         cos, sin = _rope_tables(*rope_cos_sin(self._rope_inv_freq(h.device), position_ids, h.dtype))
         mask = attention_mask_4d(attention_mask, start, S, tokens.device)
         if mask is not None:  # the additive form SDPA would otherwise build in every block
@@ -455,7 +459,7 @@ class _Decoder(nn.Module):
             h = layer(h, cos, sin, mask, kv_cache, start)
         if kv_cache is not None:
             kv_cache.length = start + S
-        return self.norm(h)
+        return self.norm(h).view(B, S, -1)
 
 
 class Transformer(_Decoder):

@@ -95,7 +95,7 @@ def split_critic_values(
     values = critic_values[:, P - 1 : P + R - 1]
     last = last_token_index(response_mask)
     boot = critic_values.gather(1, (P + last.clamp(min=0)).unsqueeze(-1)).squeeze(-1)
-    boot = torch.where(last >= 0, boot, torch.zeros_like(boot))
+    boot = torch.where(last >= 0, boot, 0.0)
     return values, boot
 
 
@@ -178,8 +178,8 @@ def gae(
         # masked positions carry V_next and A_next through unchanged
         next_adv = torch.where(m, adv_t, next_adv)
         next_value = torch.where(m, values[:, t], next_value)
-        advantages[:, t] = torch.where(m, adv_t, torch.zeros_like(adv_t))
-    returns = torch.where(valid, advantages + values, torch.zeros_like(values))
+        advantages[:, t] = torch.where(m, adv_t, 0.0)
+    returns = torch.where(valid, advantages + values, 0.0)
     return advantages, returns
 
 
@@ -237,4 +237,4 @@ def group_advantages(
     else:
         adv = centered
     adv = torch.where(constant, torch.zeros_like(adv), adv).to(rewards.dtype)
-    return torch.where(response_mask > 0, adv[:, None], torch.zeros_like(adv[:, None]))
+    return torch.where(response_mask > 0, adv[:, None], 0.0)

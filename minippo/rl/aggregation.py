@@ -109,7 +109,7 @@ def aggregate(
     use_global = global_tokens is not None or global_seqs is not None
     valid = mask > 0
     # masked-out entries are replaced (not multiplied) by 0, so a nan there cannot leak
-    x = torch.where(valid, per_token_loss, torch.zeros_like(per_token_loss))
+    x = torch.where(valid, per_token_loss, 0.0)
 
     if mode == "token-mean":
         if use_global and global_tokens is None:

@@ -82,7 +82,7 @@ def masked_whiten(
     """
     if dist.is_available() and dist.is_initialized():
         valid = mask > 0
-        xv = torch.where(valid, x, torch.zeros_like(x))
+        xv = torch.where(valid, x, 0.0)
         # [Σ m·x, Σ m·x², Σ m] over every rank
         sums = torch.stack([xv.sum(), (xv * xv).sum(), valid.sum().to(x.dtype)]).double()
         dist.all_reduce(sums, group=group)
@@ -96,4 +96,4 @@ def masked_whiten(
     white = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         white = white + mean
-    return torch.where(mask > 0, white, torch.zeros_like(white))
+    return torch.where(mask > 0, white, 0.0)

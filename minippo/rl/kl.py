@@ -79,7 +79,7 @@ def kl_penalty(
         )
     with torch.no_grad():
         kl = kl_estimate(logprobs.detach(), ref_logprobs.detach(), kind)
-        return torch.where(response_mask > 0, kl, torch.zeros_like(kl))
+        return torch.where(response_mask > 0, kl, 0.0)
 
 
 def kl_loss(

@@ -32,8 +32,8 @@ def _check_shapes(ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
 def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Largest x where mask > 0, 0 when the mask is empty (0-dim, no host sync)."""
     valid = mask > 0
-    top = torch.where(valid, x, torch.full_like(x, -torch.inf)).amax()
-    return torch.where(valid.any(), top, torch.zeros_like(top))
+    top = torch.where(valid, x, -torch.inf).amax()
+    return torch.where(valid.any(), top, 0.0)
 
 
 class PolicyStats(NamedTuple):
@@ -140,10 +140,10 @@ def policy_loss(
     kept = valid if keep_mask is None else valid & (keep_mask > 0)
     # rejected and padded tokens get neutral inputs (anchor = log π_θ, A = 0, w = 1) so that a
     # non-finite value there cannot produce nan in the forward or the backward pass
-    advantages = torch.where(kept, advantages.detach(), torch.zeros_like(advantages))
+    advantages = torch.where(kept, advantages.detach(), 0.0)
     anchor = torch.where(kept, anchor_logprobs.detach(), logprobs.detach())
     if weights is not None:
-        weights = torch.where(kept, weights.detach(), torch.ones_like(weights))
+        weights = torch.where(kept, weights.detach(), 1.0)
 
     # r_t = exp(log π_θ − a_t), log-ratio clamped to ±20
     log_ratio = (logprobs - anchor).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -160,7 +160,7 @@ def policy_loss(
     if weights is not None:
         per_token = per_token * weights  # w_t · L_t
     # k_t zeroes the numerator; aggregate's denominators count the full response mask
-    per_token = torch.where(kept, per_token, torch.zeros_like(per_token))
+    per_token = torch.where(kept, per_token, 0.0)
     counts = {"global_tokens": global_tokens, "global_seqs": global_seqs}
     loss = aggregate(per_token, response_mask, agg_mode, **counts)
 

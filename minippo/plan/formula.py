@@ -318,6 +318,7 @@ class PlanInputs:
     engine_weights_host_copy: bool = False
     gpu_mem_bytes: int | None = None
     mask: bool = True
+    fused_loss: bool = False
     nnodes: int = 1
     ranks_per_node: int | None = None
     sharding: str = "fsdp"

@@ -16,8 +16,9 @@ recipe (recipes/async_ppo.py):
     step 2         no-grad passes over the rank's batch, ``score_rows`` sequences per forward:
                    reference logprobs, critic values, ``scoring_passes`` actor forwards
     step 4         one minibatch: per micro-batch the actor's ``token_logprobs_and_entropy`` +
-                   ``policy_loss`` backward and the critic's ``value_loss`` backward (gradients
-                   accumulate), then the optimizer steps and ``zero_grad``
+                   ``policy_loss`` backward (with ``ppo.fused_loss``: ``fused_policy_loss``) and
+                   the critic's ``value_loss`` backward (gradients accumulate), then the
+                   optimizer steps and ``zero_grad``
 
 Values read back to the host (``float(loss)`` for logging) have no data under fake tensors: they
 read as 0, which decides no shape. Left out: the engine and the weight publish (the engine has its
@@ -269,7 +270,12 @@ def _step(
     Each no-grad pass runs one forward over ``score_rows`` sequences; the other chunks of the
     batch would repeat it exactly, so only their outputs are allocated before the concatenation.
     """
-    from minippo.models import token_logprobs, token_logprobs_and_entropy
+    from minippo.models import (
+        FusedLossSpec,
+        fused_policy_loss,
+        token_logprobs,
+        token_logprobs_and_entropy,
+    )
     from minippo.rl import policy_loss, split_critic_values, value_loss
 
     P0, mb_rows = x.seq_len - x.response_len, x.micro_batch
@@ -310,10 +316,17 @@ def _step(
     for i in range(0, micro_batches * mb_rows, mb_rows):
         mb = _rows(batch, i, mb_rows)
         m, sl = mb["response_mask"], slice(i, i + mb_rows)
-        logp, entropy = forward(token_logprobs_and_entropy, actor, mb, **logprobs)
-        loss, _ = policy_loss(logp, anchors[sl], advantages[sl], m)
+        if x.fused_loss:  # the lm_head and the policy loss in one pass (ppo.fused_loss)
+            spec = FusedLossSpec(
+                anchor_logprobs=anchors[sl], advantages=advantages[sl], response_mask=m
+            )
+            loss = forward(fused_policy_loss, actor, mb, spec=spec, **logprobs).loss
+        else:
+            logp, entropy = forward(token_logprobs_and_entropy, actor, mb, **logprobs)
+            loss, _ = policy_loss(logp, anchors[sl], advantages[sl], m)
+            del logp, entropy
         loss.backward()
-        del logp, entropy, loss
+        del loss
         if critic is not None:
             v, _ = split_critic_values(forward(values_of, critic, mb), m)
             vloss, _ = value_loss(v, values[sl], advantages[sl], m)

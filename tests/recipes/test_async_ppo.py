@@ -61,8 +61,9 @@ def run_recipes(
     """Run ``recipe_main(load_config("tiny_cpu", overrides))`` for each override list, in order,
     in one subprocess; returns None per successful run, else the error's text.
 
-    ``nan_loss_at_steps``: the recipe's policy loss is made NaN at these training steps (by
-    patching the recipe's ``policy_loss``), to exercise the non-finite guard."""
+    ``nan_loss_at_steps``: the actor's loss share and gradients are made NaN at these training
+    steps (by patching the recipe's ``_actor_backward``, whichever loss path it takes), to
+    exercise the non-finite guard."""
     code = textwrap.dedent(
         """
         import json, runpy, sys, traceback
@@ -71,21 +72,24 @@ def run_recipes(
             main = runpy.run_path(sys.argv[1])["recipe_main"]
             nan_steps = json.loads(sys.argv[3])
             if nan_steps:
-                import minippo.rl as rl  # the recipe calls rl.policy_loss
-
-                real_loss = rl.policy_loss
                 recipe_cls = main.__globals__["AsyncPPORecipe"]
-                real_updates = recipe_cls._ppo_updates
+                real_updates, real_backward = recipe_cls._ppo_updates, recipe_cls._actor_backward
+                nan_now = [False]
 
-                def nan_loss(*args, **kwargs):
-                    loss, stats = real_loss(*args, **kwargs)
-                    return loss * float("nan"), stats
+                def backward(self, *args, **kwargs):  # a NaN loss: NaN share, NaN gradients
+                    shares, per_token = real_backward(self, *args, **kwargs)
+                    if nan_now[0]:
+                        shares["train/loss"] = shares["train/loss"] * float("nan")
+                        for p in self.actor.parameters():
+                            if p.grad is not None:
+                                p.grad.fill_(float("nan"))
+                    return shares, per_token
 
                 def updates(self, step, *args, **kwargs):
-                    rl.policy_loss = nan_loss if step in nan_steps else real_loss
+                    nan_now[0] = step in nan_steps
                     return real_updates(self, step, *args, **kwargs)
 
-                recipe_cls._ppo_updates = updates
+                recipe_cls._ppo_updates, recipe_cls._actor_backward = updates, backward
             results = []
             for overrides in json.loads(sys.argv[2]):
                 try:

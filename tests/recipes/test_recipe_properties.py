@@ -1,8 +1,9 @@
 """The recipe's wiring, checked by properties that hold on any CPU (no pinned numbers):
 
 * the per-token anchors, importance weights and keep-mask that reach the policy loss are exactly
-  the correction's own output for the batch (for every correction; for EWMA at step 0 that output
-  is also checked against θ̄ = θ₀ computed here);
+  the correction's own output for the batch (for every correction, through ``rl.policy_loss`` and
+  through the fused pass; for EWMA at step 0 that output is also checked against θ̄ = θ₀ computed
+  here);
 * the importance weights scale the gradient: a batch whose weights are all the TIS cap gives an
   update that scales with the cap;
 * the critic's non-finite guard skips the critic's step and nothing else;
@@ -22,6 +23,7 @@ import sys
 import pytest
 import torch
 
+import minippo.models as models
 import minippo.rl as rl
 from minippo.config import load_config
 from minippo.models import Transformer, init_weights, response_logprobs
@@ -64,7 +66,9 @@ def config(tmp_path, name: str, *overrides: str):
 def test_policy_loss_gets_the_corrections_own_anchors_and_weights(
     tmp_path, monkeypatch, correction
 ):
-    cfg = config(tmp_path, correction, *SEVERAL_UPDATES, *CORRECTIONS[correction])
+    cfg = config(
+        tmp_path, correction, *SEVERAL_UPDATES, "ppo.fused_loss=false", *CORRECTIONS[correction]
+    )
     calls: list[dict] = []
     real_loss = rl.policy_loss
 
@@ -112,6 +116,66 @@ def test_policy_loss_gets_the_corrections_own_anchors_and_weights(
         assert float(((w.keep == 0) & (mask > 0)).sum()) > 0  # the mask drops some tokens
 
 
+@pytest.mark.parametrize("correction", list(CORRECTIONS))
+def test_fused_policy_loss_gets_the_corrections_own_anchors_and_weights(
+    tmp_path, monkeypatch, correction
+):
+    """The same with ``ppo.fused_loss: true`` (tiny_cpu's setting): every micro-batch's
+    ``FusedLossSpec`` holds the correction's own tensors for its rows, or, for anchors formed token
+    by token inside the pass, a function that gives what ``minibatch`` gives for those rows."""
+    cfg = config(
+        tmp_path, correction, *SEVERAL_UPDATES, "ppo.fused_loss=true", *CORRECTIONS[correction]
+    )
+    calls: list[tuple] = []  # (spec, the pass's output)
+    real_fused = models.fused_policy_loss
+
+    def recording_fused(model, input_ids, spec, **kw):
+        calls.append((spec, real_fused(model, input_ids, spec, **kw)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(models, "fused_policy_loss", recording_fused)  # the recipe's call
+    with recipe_on_fixed_batches(cfg, lambda step: batch) as recipe:
+        batch = fixed_rollout_batch(recipe.actor.args, actor_seed=cfg.seed, mu_noise=0.5)
+        prepared, rows_of_call, given = [], [], []
+        real_prepare, real_backward = recipe.correction.prepare, recipe._actor_backward
+
+        def prepare(*args, **kwargs):
+            out = real_prepare(*args, **kwargs)
+            real_minibatch = out.minibatch
+
+            def minibatch(rows, lp=None):  # what the correction hands out, in call order
+                given.append((rows.clone(), lp, real_minibatch(rows, lp)))
+                return given[-1][2]
+
+            out.minibatch = minibatch
+            prepared.append(out)
+            return out
+
+        def actor_backward(mb, rows, *args):
+            rows_of_call.append(rows.clone())
+            return real_backward(mb, rows, *args)
+
+        recipe.correction.prepare, recipe._actor_backward = prepare, actor_backward
+        recipe.train()
+    assert len(prepared) == 1  # one step: one prepare
+    assert len(calls) == len(rows_of_call) == 8  # 2 epochs x 2 minibatches x 2 micro-batches
+    covered = torch.cat(rows_of_call).sort().values
+    assert torch.equal(covered, torch.arange(8).repeat_interleave(2))  # every row, each epoch
+    assert len(given) == 8  # one minibatch call per micro-batch: before the pass or after it
+    for (spec, res), rows, (given_rows, lp, want) in zip(calls, rows_of_call, given):
+        assert torch.equal(given_rows, rows)
+        if spec.token_anchors is None:  # formed before the pass: the very tensors handed out
+            assert spec.anchor_logprobs is want.anchor_logprobs
+            assert spec.weights is want.weights and spec.keep_mask is want.keep_mask
+            assert not spec.anchor_logprobs.requires_grad
+        else:  # formed in the pass; minibatch got the pass's own logprobs for the statistics
+            assert lp is res.logprobs
+            anchor, w, keep = spec.token_anchors(res.logprobs.reshape(-1), slice(None))
+            assert torch.equal(anchor.view_as(lp), want.anchor_logprobs)
+            assert torch.equal(w.view_as(lp), want.weights)
+            assert torch.equal(keep.view_as(lp), want.keep_mask)
+
+
 def _tis_update(tmp_path, cap: float) -> tuple[dict, dict]:
     """One GRPO step with TIS at ``cap`` on a batch whose μ is 5 nats below the anchor on every
     token: every ratio exp(a − μ) = e⁵ exceeds the cap, so every weight is the cap."""
@@ -123,6 +187,7 @@ def _tis_update(tmp_path, cap: float) -> tuple[dict, dict]:
         "~correction.reset_below",
         f"correction.cap={cap}",
         "ppo.max_grad_norm=1e9",
+        "ppo.fused_loss=false",  # the weights are read where the recipe calls rl.policy_loss
     )
     weights_seen = []
     real_loss = rl.policy_loss

@@ -44,11 +44,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
     mean = Σ m·x / max(Σ m, 1): an empty selection gives 0 (finite), never ``nan``.
     """
-    _check_same_shape(x, mask)
     valid = mask > 0
-    total = torch.where(valid, x, 0)
-    total, count = (total.sum(), valid.sum()) if dim is None else (total.sum(dim), valid.sum(dim))
-    return total / count.clamp(min=1)  # an exact integer count: the same quotient as in x's dtype
+    count = valid.sum() if dim is None else valid.sum(dim)  # exact integers: the same quotient
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = True) -> torch.Tensor:

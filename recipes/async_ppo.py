@@ -26,7 +26,7 @@ from minippo.config import canonical_dtype, instantiate, torch_dtype
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
 from minippo.engine.torch_engine import TorchEngine
-from minippo.plan import is_sglang, rollout_mode
+from minippo.plan import rollout_mode, sglang_on_gpu
 from minippo.rl.correction import build_correction
 from minippo.training import preflight
 from minippo.training.alternating_queue import AlternatingQueue
@@ -193,7 +193,7 @@ class AsyncPPORecipe:
             torch.set_num_threads(
                 cfg.cpu_threads or max(1, (os.cpu_count() or 2) // 2 // ranks_here)
             )
-        if self.device.type == "cuda" and is_sglang(cfg) and rollout_mode(cfg) == "overlap":
+        if self.device.type == "cuda" and sglang_on_gpu(cfg) and rollout_mode(cfg) == "overlap":
             # the engine generates on this GPU while training (rollout.share_gpu_with_engine,
             # refused unless the plan fits): the trainer's allocator gets what its plan says
             from minippo.plan import trainer_memory_fraction

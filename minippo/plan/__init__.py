@@ -40,7 +40,7 @@ from minippo.plan.formula import (
     plan_memory,
     scoring_bytes,
 )
-from minippo.plan.gpu_sharing import is_sglang, shared_gpu_problems, trainer_memory_fraction
+from minippo.plan.gpu_sharing import sglang_on_gpu, shared_gpu_problems, trainer_memory_fraction
 from minippo.plan.measured import MeasuredPeak, measure_from_config, measure_step
 
 __all__ = [
@@ -55,7 +55,6 @@ __all__ = [
     "block_saved_bytes_per_token",
     "correction_cost",
     "engine_options",
-    "is_sglang",
     "measure_from_config",
     "measure_step",
     "model_param_shapes",
@@ -64,6 +63,7 @@ __all__ = [
     "plan_memory",
     "rollout_mode",
     "scoring_bytes",
+    "sglang_on_gpu",
     "shared_gpu_problems",
     "trainer_memory_fraction",
 ]

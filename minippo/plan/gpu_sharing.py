@@ -31,10 +31,12 @@ from minippo.plan.formula import GiB
 __all__ = ["shared_gpu_problems", "trainer_memory_fraction"]
 
 
-def is_sglang(cfg: DictConfig) -> bool:
-    """Whether ``engine._component_`` names the SGLang backend."""
+def sglang_on_gpu(cfg: DictConfig) -> bool:
+    """Whether ``engine._component_`` names the SGLang backend on a GPU (``engine.device`` other
+    than "cpu": an SGLang engine on the CPU shares no GPU with the trainer)."""
     component = OmegaConf.select(cfg, "engine._component_", default=None)
-    return isinstance(component, str) and component.endswith("SGLangEngine")
+    on_cpu = OmegaConf.select(cfg, "engine.device", default="cuda") == "cpu"
+    return isinstance(component, str) and component.endswith("SGLangEngine") and not on_cpu
 
 
 def _trainer_beside_engine(
@@ -77,7 +79,7 @@ def shared_gpu_problems(
     line each naming the key and the fix. ``world_size``: the ranks the trainer is sharded over
     (1 plans the largest per-rank trainer); ``gpu_mem_gib``: one GPU's memory (None: 80 GiB, the
     plan's default; :func:`trainer_memory_fraction` checks again against the real GPU)."""
-    if not is_sglang(cfg):
+    if not sglang_on_gpu(cfg):
         return []
     try:
         mode = rollout_mode(cfg)

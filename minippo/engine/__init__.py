@@ -11,6 +11,7 @@ from minippo.engine.protocol import (
     SamplingParams,
     WeightBucket,
     compute_dtype,
+    settled_finish_reason,
     validate_requests,
 )
 from minippo.engine.sglang_engine import SGLangEngine, SGLangEngineDied
@@ -29,5 +30,6 @@ __all__ = [
     "TorchEngine",
     "WeightBucket",
     "compute_dtype",
+    "settled_finish_reason",
     "validate_requests",
 ]

@@ -32,6 +32,7 @@ A handler runs when the main thread next executes Python code: if it is inside a
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 # torchrun sets it in every worker; a process that inherits it and calls init_process_group with a
 # tcp:// address becomes a client of a TCPStore that nobody serves (torch < 2.14.1: a >= 10 min hang)
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+CONTEXT_OVERRIDE_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 DEATH_EXIT_GRACE_S = 30.0
 DEATH_EXIT_CODE = 70  # EX_SOFTWARE
 
@@ -106,21 +109,101 @@ def _hard_exit() -> None:
 @contextlib.contextmanager
 def engine_launch_environment(
     environ: MutableMapping[str, str] | None = None,
+    extra: Mapping[str, str] | None = None,
 ) -> Iterator[None]:
-    """The environment SGLang's child processes are spawned with (they copy ``os.environ``).
+    """The environment SGLang's child processes are spawned with (they copy ``os.environ``), and
+    in which its ``Engine()`` reads its settings; everything is restored afterwards.
 
-    Removes ``TORCHELASTIC_USE_AGENT_STORE`` for the duration (restored afterwards): under torchrun
-    every worker has it, and a scheduler that inherits it and calls
-    ``init_process_group(init_method="tcp://127.0.0.1:<nccl_port>")`` waits, with torch < 2.14.1,
-    as a client of a store that nobody serves (>= 10 minutes, then fails).
+    * Removes ``TORCHELASTIC_USE_AGENT_STORE``: under torchrun every worker has it, and a scheduler
+      that inherits it and calls ``init_process_group(init_method="tcp://127.0.0.1:<nccl_port>")``
+      waits, with torch < 2.14.1, as a client of a store that nobody serves (>= 10 minutes).
+    * Sets ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1``: the backend passes SGLang a context a
+      few tokens longer than the model config's (``CONTEXT_SLACK``), which SGLang refuses otherwise.
+    * Sets ``extra`` (e.g. :func:`cpu_launch_environment`'s thread count of a CPU engine).
     """
     env = os.environ if environ is None else environ
-    saved = env.pop(AGENT_STORE_ENV, None)
+    saved = {key: env.get(key) for key in (AGENT_STORE_ENV, CONTEXT_OVERRIDE_ENV, *(extra or {}))}
+    env.pop(AGENT_STORE_ENV, None)
+    env[CONTEXT_OVERRIDE_ENV] = "1"
+    env.update(extra or {})
     try:
         yield
     finally:
-        if saved is not None:
-            env[AGENT_STORE_ENV] = saved
+        for key, value in saved.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+
+
+def cpu_launch_environment(cpu_threads: int | None) -> dict[str, str]:
+    """The variables a CPU engine's processes start with: ``OMP_NUM_THREADS`` = ``cpu_threads``
+    (None: half this process's cores over the ranks of this node, at least 1; the trainer takes
+    the other half, ``cpu_threads`` of the recipe)."""
+    if cpu_threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        cpu_threads = max(1, (cores or 2) // 2 // ranks)
+    return {"OMP_NUM_THREADS": str(int(cpu_threads))}
+
+
+def use_device(device: str, environ: MutableMapping[str, str] | None = None) -> None:
+    """Set, before SGLang is imported, how SGLang finds its device; refuse what cannot work.
+
+    SGLang reads ``SGLANG_USE_CPU_ENGINE`` when its modules are imported (module-level flags), so
+    for ``device="cpu"`` it is set here for the whole process (the engine's children inherit it),
+    and an SGLang imported earlier without it is refused. On the CPU SGLang imports a module named
+    ``sgl_kernel`` that the CUDA wheel on PyPI cannot provide: the one
+    ``scripts/sglang_cpu_env.sh`` installs must be importable. ``device="cuda"`` refuses
+    ``SGLANG_USE_CPU_ENGINE=1``.
+    """
+    env = os.environ if environ is None else environ
+    flag = env.get(CPU_ENGINE_ENV, "0")
+    if device == "cuda":
+        if flag == "1":
+            raise RuntimeError(
+                f"{CPU_ENGINE_ENV}=1 is set, but engine.device=cuda: SGLang would run on the CPU; "
+                f"unset {CPU_ENGINE_ENV} or set engine.device=cpu"
+            )
+        return
+    if flag != "1" and any(name.startswith("sglang.srt") for name in sys.modules):
+        raise RuntimeError(
+            "SGLang was imported in this process before engine.device=cpu set "
+            f"{CPU_ENGINE_ENV}=1 (it reads it at import): build the CPU engine before importing "
+            f"sglang, or export {CPU_ENGINE_ENV}=1"
+        )
+    env[CPU_ENGINE_ENV] = "1"
+    try:
+        import sgl_kernel
+
+        ours = hasattr(sgl_kernel, "assign_req_to_token_pool_cpu")
+    except (ImportError, OSError):
+        ours = False
+    if not ours:
+        raise RuntimeError(
+            "engine.device=cpu needs the pure-torch `sgl_kernel` module that SGLang's CPU path "
+            "imports (the sglang-kernel wheel is a CUDA build): build the environment with "
+            "`bash scripts/sglang_cpu_env.sh VENV_DIR` and run with VENV_DIR/bin/minippo"
+        )
+
+
+@contextlib.contextmanager
+def logging_kept() -> Iterator[None]:
+    """Keep this process's logging set-up across the block: SGLang's ``Engine()`` calls
+    ``logging.basicConfig(level=ERROR, force=True)`` in the trainer's process
+    (``configure_logger``), which would drop minippo's handlers and hide its warnings."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for handler in list(root.handlers):
+            if handler not in handlers:
+                root.removeHandler(handler)
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)
 
 
 def check_environment(environ: Mapping[str, str]) -> None:

@@ -156,7 +156,9 @@ class Completion:
         logprobs:      R floats, log_softmax(logits / T)[token] over the full vocabulary.
         versions:      R ints, the weight version that sampled each token.
         finish_reason: "stop" (a stop id was sampled), "length" (max_new_tokens reached) or
-                       "abort" (stopped by abort(); the tokens so far are kept).
+                       "abort" (stopped by abort() before it finished; the tokens so far are
+                       kept). An "abort" completion is unfinished: it holds fewer than
+                       max_new_tokens tokens and no stop id (:func:`settled_finish_reason`).
     """
 
     request_id: str
@@ -183,6 +185,32 @@ class Completion:
     def truncated(self) -> bool:
         """True when the response was cut by max_new_tokens."""
         return self.finish_reason == "length"
+
+
+def settled_finish_reason(
+    reason: str, token_ids: Sequence[int], params: SamplingParams, eos_ids: Iterable[int] = ()
+) -> str:
+    """The finish reason of a response, with an abort of a finished sample settled.
+
+    An engine may stop a request in the very step in which it finished: SGLang 0.5.23 marks a
+    running request it aborts finished and still runs one more decode step for it
+    (``scheduler.py`` ~5800-5812, ``batch_result_processor.py`` ~1046), and checks the abort
+    before the stop and length checks (``schedule_batch.py`` ~2011-2014), so its "abort" can end
+    with a stop id or already hold ``max_new_tokens`` tokens. Such a sample is finished: this
+    returns "stop" or "length" for it, as the engine would have said without the abort. The stop
+    ids are the request's and, when it has any, ``eos_ids`` (an engine that also stops at the
+    model's EOS ids, as SGLang does unless ``ignore_eos``). Any other reason is returned as it is.
+    """
+    if reason != "abort" or not token_ids:
+        return reason
+    stops = set(params.stop_token_ids)
+    if stops:
+        stops |= set(eos_ids)
+    if token_ids[-1] in stops:
+        return "stop"
+    if len(token_ids) >= params.max_new_tokens:
+        return "length"
+    return reason
 
 
 def validate_requests(

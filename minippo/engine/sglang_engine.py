@@ -111,6 +111,7 @@ import multiprocessing
 import os
 import queue
 import random
+import shutil
 import signal
 import threading
 import time
@@ -125,12 +126,15 @@ from torch.distributed.tensor import DTensor
 from minippo.engine._sglang_process import (
     SGLangEngineDied,
     check_environment,
+    cpu_launch_environment,
     engine_launch_environment,
     expected_hf_shapes,
+    logging_kept,
     on_engine_death,
     register_engine,
     shape_mismatches,
     unregister_engine,
+    use_device,
 )
 from minippo.engine.protocol import (
     FINISH_REASONS,
@@ -140,6 +144,7 @@ from minippo.engine.protocol import (
     SamplingParams,
     WeightBucket,
     compute_dtype,
+    settled_finish_reason,
     validate_requests,
 )
 
@@ -165,6 +170,13 @@ FLUSH_RETRY_S = 1.0
 
 MemoryMode = Literal["overlap", "sleep"]
 MEMORY_MODES: tuple[str, ...] = ("overlap", "sleep")
+DEVICES: tuple[str, ...] = ("cuda", "cpu")
+# SGLang's own limits stop short of its context_len: max_req_len = context_len - 1, max_new is
+# capped at max_req_len - input - 1, and an input of context_len - 6 tokens or more is rejected
+# with an abort that async_generate raises (managers/utils.py ~272-287). The backend validates
+# requests against the user's context and gives SGLang this many tokens more.
+CONTEXT_SLACK = 8
+CPU_MAX_TOTAL_TOKENS = 65536  # the KV pool of a CPU engine (SGLang would size it from host memory)
 # SGLang's memory tags (release / resume occupation)
 _MEM_WEIGHTS, _MEM_KV, _MEM_GRAPH = "weights", "kv_cache", "cuda_graph"
 
@@ -207,6 +219,12 @@ def _load_sglang_api() -> SimpleNamespace:
         ReleaseMemoryOccupationReqInput=ReleaseMemoryOccupationReqInput,
         ResumeMemoryOccupationReqInput=ResumeMemoryOccupationReqInput,
     )
+
+
+def _bind_device(device: torch.device | None) -> None:
+    """Make ``device`` the calling thread's current CUDA device (None: nothing to do)."""
+    if device is not None:
+        torch.cuda.set_device(device)
 
 
 def _cuda_ipc_collect() -> None:
@@ -273,19 +291,23 @@ def prepare_bucket(
     return named
 
 
-def serialize_bucket(api: Any, named: list[tuple[str, torch.Tensor]]) -> bytes:
+def serialize_bucket(
+    api: Any, named: list[tuple[str, torch.Tensor]], *, cuda: bool = True
+) -> bytes:
     """One bucket as SGLang's ``update_weights_from_tensor`` payload for a tp=1 engine.
 
-    ``MultiprocessingSerializer.serialize`` pickles each CUDA tensor as an IPC handle. SGLang's
-    producer-side ``monkey_patch_torch_reductions`` is applied first (once per process; what
-    sglang's own ``weight_sync`` helper and slime do): the handle then carries the GPU's UUID
-    instead of this process's device index, which the scheduler maps back to its own index, so
-    it stays right when the two processes see the GPUs under different indices
+    ``MultiprocessingSerializer.serialize`` pickles each CUDA tensor as an IPC handle. For CUDA
+    tensors SGLang's producer-side ``monkey_patch_torch_reductions`` is applied first (once per
+    process; what sglang's own ``weight_sync`` helper and slime do): the handle then carries the
+    GPU's UUID instead of this process's device index, which the scheduler maps back to its own
+    index, so it stays right when the two processes see the GPUs under different indices
     (``CUDA_VISIBLE_DEVICES`` per rank, ``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS``). The patch is
     process-wide and handles CUDA tensors only: afterwards ``ForkingPickler`` cannot pickle CPU
-    tensors in this process (an IndexError inside SGLang's reduction).
+    tensors in this process (an IndexError inside SGLang's reduction). So the bucket of an engine
+    on the CPU (``cuda=False``) is serialised without it: its storages travel as shared memory.
     """
-    api.monkey_patch_torch_reductions()
+    if cuda:
+        api.monkey_patch_torch_reductions()
     return api.MultiprocessingSerializer.serialize(obj=named)
 
 
@@ -327,23 +349,32 @@ def engine_server_args(
     weights_cpu_backup: bool,
     random_seed: int,
     version: int,
-    context_length: int | None,
+    context_length: int,
     sampling_backend: str | None,
     enable_deterministic_inference: bool,
     rl_on_policy_target: str | None,
     log_level: str,
+    device: str = "cuda",
+    max_total_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """The keyword arguments of ``sglang.Engine(**kwargs)`` (= ``ServerArgs`` fields).
+    """The keyword arguments of ``sglang.Engine(**kwargs)`` (= ``ServerArgs`` fields); the same
+    keys on every device.
 
     tp_size=1 on GPU ``local_rank`` (``base_gpu_id`` indexes the visible GPUs); token ids in and
     out (``skip_tokenizer_init``); the memory saver only in ``sleep`` mode (release/resume need it);
     SGLang installs ``on_engine_death`` as this process's SIGQUIT handler instead of its own
-    (which SIGKILLs the process tree) when a scheduler fails.
+    (which SIGKILLs the process tree) when a scheduler fails. ``context_length`` is what SGLang
+    gets: the backend passes the user's context plus :data:`CONTEXT_SLACK`.
+
+    ``device="cpu"`` (the real engine on a CPU, docs/sglang_backend.md): SGLang's plain-torch
+    attention (``torch_native``) and sampler (``pytorch``), no CUDA graphs, and ``base_gpu_id`` 0
+    on every rank (SGLang takes it for a NUMA node index there; one node serves them all).
     """
+    cpu = device == "cpu"
     return dict(
         model_path=model_path,
         tp_size=1,
-        base_gpu_id=local_rank,
+        base_gpu_id=0 if cpu else local_rank,
         port=port,
         nccl_port=nccl_port,
         mem_fraction_static=mem_fraction_static,
@@ -355,11 +386,15 @@ def engine_server_args(
         random_seed=random_seed,
         weight_version=str(version),
         context_length=context_length,
-        sampling_backend=sampling_backend,
+        sampling_backend="pytorch" if cpu and sampling_backend is None else sampling_backend,
         enable_deterministic_inference=enable_deterministic_inference,
         rl_on_policy_target=rl_on_policy_target,
         log_level=log_level,
         custom_sigquit_handler=on_engine_death,
+        device=device,
+        attention_backend="torch_native" if cpu else None,
+        disable_cuda_graph=cpu,
+        max_total_tokens=max_total_tokens,
     )
 
 
@@ -439,9 +474,15 @@ def token_versions(meta: Mapping[str, Any], n: int, *, low: int, high: int) -> l
 
 
 def completion_from_output(
-    request: GenerateRequest, out: Mapping[str, Any], *, low: int, high: int
+    request: GenerateRequest,
+    out: Mapping[str, Any],
+    *,
+    low: int,
+    high: int,
+    eos_ids: Iterable[int] = (),
 ) -> Completion:
-    """Turn one SGLang response dict into a Completion (checking its shape on the way)."""
+    """Turn one SGLang response dict into a Completion (checking its shape on the way; an abort
+    that finished the sample is labelled as finished: :func:`settled_finish_reason`)."""
     token_ids = [int(t) for t in out["output_ids"]]
     meta = out["meta_info"]
     n = len(token_ids)
@@ -475,7 +516,7 @@ def completion_from_output(
         token_ids=token_ids,
         logprobs=logprobs,
         versions=token_versions(meta, n, low=low, high=high),
-        finish_reason=reason,
+        finish_reason=settled_finish_reason(reason, token_ids, request.params, eos_ids),
     )
 
 
@@ -529,7 +570,7 @@ class _StreamCall:
 
 
 class SGLangEngine:
-    """Rollout engine backed by one local SGLang engine (tp=1) on this rank's GPU.
+    """Rollout engine backed by one local SGLang engine (tp=1) on this rank's GPU (or on the CPU).
 
     Build it on every rank (from YAML: ``engine: {_component_:
     minippo.engine.sglang_engine.SGLangEngine, model_path: ..., mem_fraction_static: 0.4}``).
@@ -538,10 +579,17 @@ class SGLangEngine:
         model_path:          local HF checkpoint folder (config.json; with ``load_format="dummy"``
                              only the config is read and the weights come from
                              ``publish_weights``). Published names and shapes are checked
-                             against this config.
+                             against this config. None (``load_format="dummy"`` only): the
+                             backend writes the config.json of ``model_args`` into a temporary
+                             folder of its own (removed at shutdown).
         model_args:          the trainer's :class:`minippo.models.ModelArgs` (the recipe passes
                              it to every engine); kept as ``self.model_args`` and checked against
                              the engine's config.json at construction (names and shapes).
+        device:              "cuda" (one GPU per rank) or "cpu": the real SGLang engine on the
+                             CPU (``scripts/sglang_cpu_env.sh`` builds its environment; the backend
+                             sets SGLang's CPU switches: ``SGLANG_USE_CPU_ENGINE``, the plain-torch
+                             attention and sampler, no CUDA graphs). On the CPU only
+                             ``memory_mode="overlap"`` exists (nothing to release).
         mem_fraction_static: fraction of the GPU's memory for the engine's weights + KV cache.
         memory_mode:         "overlap" (share the GPU with the trainer at the same time) or
                              "sleep" (release the engine's memory around training).
@@ -550,35 +598,47 @@ class SGLangEngine:
                              ``torch.dtype``; pushed weights are cast to it.
         local_rank:          GPU index among the visible ones; default: $LOCAL_RANK or 0.
         base_port:           ports: port = base_port + local_rank * port_stride, nccl_port =
-        port_stride:         port + 1.
+        port_stride:         port + 1 (SGLang binds only nccl_port in this mode; each rank's
+                             engine needs its own).
         load_format:         "dummy" (random init; generate refuses until the first publish) or
                              a real SGLang load format such as "auto" (weights from model_path).
         version:             the version of the initial weights (stamped as the engine's
                              weight_version).
         weights_cpu_backup:  in sleep mode, keep a host copy of the weights so that ``wake()``
                              restores them (no publish needed after wake).
-        context_length:      engine context length (None: the model config's); also bounds
-                             prompt + max_new_tokens of each request.
-        random_seed:         SGLang's random seed; also seeds the per-request seeds drawn in
-                             deterministic mode for requests without one.
-        sampling_backend:    SGLang sampling kernels (None: its default; deterministic mode
-                             needs None or "pytorch").
+        context_length:      the longest prompt + max_new_tokens of a request (None: the model
+                             config's ``max_position_embeddings``); requests are checked against
+                             it, and SGLang gets ``context_length + CONTEXT_SLACK`` (its own
+                             limits stop a few tokens short of its context).
+        random_seed:         the random seed of rank 0's engine; rank r's engine uses
+                             ``random_seed + r`` (distinct sampling streams); also seeds the
+                             per-request seeds drawn in deterministic mode for requests without one.
+        sampling_backend:    SGLang sampling kernels (None: its default, "pytorch" on the CPU;
+                             deterministic mode needs None or "pytorch").
         enable_deterministic_inference: seeds honoured (``sampling_seed`` is sent; SGLang's
                              pytorch sampler and batch-invariant kernels, slower) or not (seeds
                              are not sent: SGLang would ignore them). See ``honours_seeds``.
         rl_on_policy_target: SGLang's option for logprobs that match an HF-style FSDP trainer.
+        max_total_tokens:    the KV pool's size in tokens (None: SGLang sizes it from
+                             ``mem_fraction_static`` on a GPU; 65536 on the CPU, where SGLang
+                             would size it from host memory).
+        cpu_threads:         device "cpu": the engine's threads (None: half the cores over the
+                             ranks of this node, at least 1: the trainer has the other half).
         log_level:           SGLang's log level (its scheduler logs fatal tracebacks at "error").
         call_timeout_s:      limit for each call into SGLang's tokenizer manager other than
                              generation (pause, weight update, flush, memory release/resume...).
+                             A call that times out leaves the engine unusable (every later call
+                             raises): SGLang would hand its late reply to the next call.
         extra_server_args:   other ``ServerArgs`` fields, passed through unchecked (SGLang
                              validates them at start); may not repeat a key set above.
     """
 
     def __init__(
         self,
-        model_path: str,
+        model_path: str | None = None,
         *,
         model_args: ModelArgs | None = None,
+        device: str = "cuda",
         mem_fraction_static: float = 0.5,
         memory_mode: MemoryMode = "overlap",
         dtype: str | torch.dtype = "bfloat16",
@@ -593,13 +653,26 @@ class SGLangEngine:
         sampling_backend: str | None = None,
         enable_deterministic_inference: bool = False,
         rl_on_policy_target: str | None = None,
+        max_total_tokens: int | None = None,
+        cpu_threads: int | None = None,
         log_level: str = "error",
         call_timeout_s: float = 600.0,
         extra_server_args: Mapping[str, Any] | None = None,
     ) -> None:
         # validate everything before touching a device or starting processes
-        if not isinstance(model_path, str) or not model_path:
-            raise ValueError(f"model_path must be a non-empty path, got {model_path!r}")
+        if model_path is None:
+            if model_args is None or load_format != "dummy":
+                raise ValueError(
+                    "engine.model_path is null: the backend writes the engine's config.json from "
+                    "the trainer's model_args, which needs model_args and load_format=dummy (the "
+                    "weights come from the first publish); set engine.model_path to an HF folder "
+                    "otherwise"
+                )
+        elif not isinstance(model_path, str) or not model_path:
+            raise ValueError(f"model_path must be a non-empty path or null, got {model_path!r}")
+        if device not in DEVICES:
+            raise ValueError(f"engine.device must be one of {DEVICES}, got {device!r}")
+        cpu = device == "cpu"
         if not (0.0 < float(mem_fraction_static) < 1.0):
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {mem_fraction_static!r}; e.g. 0.4 "
@@ -607,6 +680,12 @@ class SGLangEngine:
             )
         if memory_mode not in MEMORY_MODES:
             raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {memory_mode!r}")
+        if cpu and memory_mode != "overlap":
+            raise ValueError(
+                f"engine.memory_mode={memory_mode} needs device=cuda: SGLang releases and restores "
+                "its memory through torch_memory_saver (libcuda); on the CPU set "
+                "engine.memory_mode=overlap (rollout.mode=alternate runs without sleeping there)"
+            )
         compute = compute_dtype(dtype)
         if weights_cpu_backup and memory_mode != "sleep":
             raise ValueError("weights_cpu_backup=True only makes sense with memory_mode='sleep'")
@@ -616,6 +695,9 @@ class SGLangEngine:
             raise ValueError(f"version must be >= 0, got {version!r}")
         if not float(call_timeout_s) > 0:
             raise ValueError(f"engine.call_timeout_s must be > 0 seconds, got {call_timeout_s!r}")
+        for key, value in (("max_total_tokens", max_total_tokens), ("cpu_threads", cpu_threads)):
+            if value is not None and (isinstance(value, bool) or int(value) < 1):
+                raise ValueError(f"engine.{key} must be an integer >= 1 or null, got {value!r}")
         deterministic = bool(enable_deterministic_inference)
         if deterministic:
             if sampling_backend not in (None, "pytorch"):
@@ -628,7 +710,11 @@ class SGLangEngine:
         if local_rank is None:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         port, nccl_port = engine_ports(int(base_port), int(local_rank), int(port_stride))
-        expected = engine_weight_shapes(model_path)
+        self._config_dir: str | None = None
+        if model_path is None:
+            model_path = self._config_dir = write_engine_config(model_args)
+        config = read_engine_config(model_path)
+        expected = expected_hf_shapes(_model_args_of(config))
         if model_args is not None:
             problems = shape_mismatches(expected, expected_hf_shapes(model_args))
             if problems:
@@ -637,6 +723,14 @@ class SGLangEngine:
                     f"({model_path}/config.json): {'; '.join(problems)}; point engine.model_path "
                     "at the checkpoint the trainer was built from"
                 )
+        if context_length is None:
+            context_length = int(config.get("max_position_embeddings") or 0) or None
+            if context_length is None:
+                raise ValueError(
+                    f"{model_path}/config.json has no max_position_embeddings: set "
+                    "engine.context_length (the longest prompt + max_new_tokens)"
+                )
+        rank = int(os.environ.get("RANK", "0"))
         kwargs = engine_server_args(
             model_path=model_path,
             local_rank=int(local_rank),
@@ -647,13 +741,17 @@ class SGLangEngine:
             load_format=load_format,
             memory_mode=memory_mode,
             weights_cpu_backup=bool(weights_cpu_backup),
-            random_seed=int(random_seed),
+            random_seed=int(random_seed) + rank,
             version=int(version),
-            context_length=None if context_length is None else int(context_length),
+            context_length=int(context_length) + CONTEXT_SLACK,
             sampling_backend=sampling_backend,
             enable_deterministic_inference=deterministic,
             rl_on_policy_target=rl_on_policy_target,
             log_level=log_level,
+            device=device,
+            max_total_tokens=(
+                CPU_MAX_TOTAL_TOKENS if cpu and max_total_tokens is None else max_total_tokens
+            ),
         )
         extra = dict(extra_server_args or {})
         clash = sorted(set(extra) & set(kwargs))
@@ -664,6 +762,7 @@ class SGLangEngine:
             )
         kwargs.update(extra)
         check_environment(os.environ)
+        use_device(device)  # before SGLang is imported: its CPU switch is read at import
         if _running_loop() is not None:
             raise RuntimeError(
                 "build SGLangEngine outside a running asyncio event loop (the engine's loop runs "
@@ -678,17 +777,21 @@ class SGLangEngine:
 
         self.model_args = model_args
         self.model_path = model_path
+        self.device: str = device
         self.memory_mode: str = memory_mode
         self.local_rank = int(local_rank)
         self.server_args: dict[str, Any] = kwargs
         self.honours_seeds = deterministic
         self._expected = expected
-        self._context_length = kwargs["context_length"]
+        self._context_length = int(context_length)
+        self._eos_ids = _eos_ids_of(config)
         self._weights_cpu_backup = bool(weights_cpu_backup)
         self._dtype = compute
-        self._device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else None
+        self._device = (
+            torch.device("cuda", self.local_rank) if not cpu and torch.cuda.is_available() else None
+        )
         self._call_timeout_s = float(call_timeout_s)
-        self._seeds = random.Random(int(random_seed))  # drawn in caller threads, under _seed_lock
+        self._seeds = random.Random(int(random_seed) + rank)  # drawn in caller threads, locked
         self._seed_lock = threading.Lock()
         self._version = int(version)
         self._stamped = int(version)  # newest version handed to the engine
@@ -708,10 +811,12 @@ class SGLangEngine:
         self._closed = False
         # what is in progress (for the death report) and whether the engine died
         self._dead: str | None = None
+        self._broken: str | None = None  # a tokenizer-manager call timed out (see call_timeout_s)
         self._calls: dict[str, str] = {}  # thread name -> protocol call
         self._tm_call: str | None = None  # the tokenizer-manager call awaited on the loop
         self._engine_procs: list[Any] = []
         self._old_sigquit: Any = None
+        launch_env = cpu_launch_environment(cpu_threads) if cpu else {}
 
         self._api = _load_sglang_api()
         main = threading.current_thread() is threading.main_thread()
@@ -721,7 +826,7 @@ class SGLangEngine:
         before = set(_child_processes())
         self._calls[threading.current_thread().name] = "SGLangEngine() (engine start)"
         try:
-            with engine_launch_environment():
+            with engine_launch_environment(extra=launch_env), logging_kept():
                 self._engine = self._api.Engine(**kwargs)
         except BaseException:
             unregister_engine(self)
@@ -744,6 +849,10 @@ class SGLangEngine:
 
     # -- loop thread ---------------------------------------------------------------------------
     def _run_loop(self) -> None:
+        # CUDA calls made on this thread (the trainer's cache release before the KV cache is
+        # restored) must act on this rank's GPU: a new thread's current device is GPU 0, where a
+        # cudaFree would create a context (~0.5 GB) on another rank's GPU
+        _bind_device(self._device)
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
@@ -765,6 +874,9 @@ class SGLangEngine:
         if self._dead is not None:
             coro.close()
             raise SGLangEngineDied(self._dead)
+        if self._broken is not None:
+            coro.close()
+            raise RuntimeError(self._broken)
         me = threading.current_thread().name
         self._calls[me] = what
         try:
@@ -783,12 +895,16 @@ class SGLangEngine:
         try:
             return await asyncio.wait_for(awaitable, self._call_timeout_s)
         except asyncio.TimeoutError:
-            raise TimeoutError(
+            message = (
                 f"rank {os.environ.get('RANK', '?')} (local_rank {self.local_rank}): SGLang "
                 f"tokenizer_manager.{what} did not answer within {self._call_timeout_s:g} s "
                 "(engine.call_timeout_s); the scheduler is stuck or dead: see its log in this "
                 "process's stderr"
-            ) from None
+            )
+            # SGLang keeps the call's reply slot armed: a late reply would be taken as the answer
+            # of the next call of that kind, so no call may follow
+            self._broken = f"the engine is unusable after a timed-out call: {message}"
+            raise TimeoutError(message) from None
         finally:
             self._tm_call = None
 
@@ -928,7 +1044,7 @@ class SGLangEngine:
             try:
                 for i, bucket in enumerate(buckets):
                     named = self._prepare_bucket(bucket, i, seen)
-                    payload = serialize_bucket(self._api, named)
+                    payload = serialize_bucket(self._api, named, cuda=self.device == "cuda")
                     self._call(self._push_bucket(payload, i), f"{what}, bucket {i}")
                     # the engine has loaded the bucket: drop every reference, free the IPC handles
                     del bucket, named, payload
@@ -1002,7 +1118,7 @@ class SGLangEngine:
                 return
             self._closed = True
             try:
-                if self._thread.is_alive() and self._dead is None:
+                if self._thread.is_alive() and self._dead is None and self._broken is None:
                     self._call(self._shutdown_async(), "shutdown")
             finally:
                 if self._thread.is_alive():
@@ -1012,6 +1128,8 @@ class SGLangEngine:
                     self._engine.shutdown()
                 finally:
                     unregister_engine(self)
+                    if self._config_dir is not None:
+                        shutil.rmtree(self._config_dir, ignore_errors=True)
                     if self._old_sigquit is not None and (
                         threading.current_thread() is threading.main_thread()
                     ):
@@ -1130,7 +1248,7 @@ class SGLangEngine:
             async with self._cond:
                 del self._inflight[rid]
                 self._cond.notify_all()
-        done = completion_from_output(req, out, low=low, high=self._stamped)
+        done = completion_from_output(req, out, low=low, high=self._stamped, eos_ids=self._eos_ids)
         if self._aborting:
             self._aborted.append(done)
         return done
@@ -1446,20 +1564,49 @@ class SGLangEngine:
                 task.cancel()
 
 
-def engine_weight_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """``{HF name: shape}`` the engine's model expects, from ``model_path``/config.json."""
-    from minippo.models import model_args_from_hf_config
-
+def read_engine_config(model_path: str) -> dict[str, Any]:
+    """``model_path``/config.json (ValueError naming the file when it cannot be read)."""
     path = os.path.join(model_path, "config.json")
     try:
         with open(path) as f:
-            config = json.load(f)
+            return json.load(f)
     except OSError as e:
         raise ValueError(
             f"engine.model_path must be a local HF folder with config.json (the published "
             f"weights are checked against it): cannot read {path}: {e.strerror}"
         ) from None
-    return expected_hf_shapes(model_args_from_hf_config(config))
+
+
+def engine_weight_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """``{HF name: shape}`` the engine's model expects, from ``model_path``/config.json."""
+    return expected_hf_shapes(_model_args_of(read_engine_config(model_path)))
+
+
+def write_engine_config(model_args: ModelArgs) -> str:
+    """A new temporary folder holding the HF config.json of ``model_args`` (for an engine started
+    with ``load_format="dummy"``, whose weights come from the first publish); its path."""
+    import tempfile
+
+    from minippo.models.hf_checkpoint import hf_config_from_model_args
+
+    folder = tempfile.mkdtemp(prefix="minippo-sglang-model-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config_from_model_args(model_args), f, indent=1)
+    return folder
+
+
+def _model_args_of(config: Mapping[str, Any]) -> ModelArgs:
+    from minippo.models import model_args_from_hf_config
+
+    return model_args_from_hf_config(dict(config))
+
+
+def _eos_ids_of(config: Mapping[str, Any]) -> frozenset[int]:
+    """The model's EOS ids from its config.json (SGLang stops at them unless ``ignore_eos``)."""
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return frozenset()
+    return frozenset(int(t) for t in (eos if isinstance(eos, list) else [eos]))
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -42,6 +42,7 @@ from minippo.engine.protocol import (
     RolloutEngine,
     SamplingParams,
     WeightBucket,
+    settled_finish_reason,
 )
 from minippo.training.rollout_queue import (
     PromptsExhausted,
@@ -381,13 +382,16 @@ class AlternatingQueue(QueueSettings):
         before = sample.done
         if c.finish_reason == "abort" and not c.token_ids:
             return  # stopped before its first token: nothing changes
+        tokens = (before.token_ids if before else []) + c.token_ids
         sample.done = Completion(
             request_id=c.request_id,
             prompt_ids=list(group.prompt_ids),
-            token_ids=(before.token_ids if before else []) + c.token_ids,
+            token_ids=tokens,
             logprobs=(before.logprobs if before else []) + c.logprobs,
             versions=(before.versions if before else []) + c.versions,
-            finish_reason=c.finish_reason,
+            # an abort in the step that finished the sample (its last token a stop id, or no
+            # budget left) is a finished sample: never continued past its end
+            finish_reason=settled_finish_reason(c.finish_reason, tokens, self.sampling),
         )
         n_new = len(c.token_ids)
         self._tokens_generated += n_new

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -258,3 +259,44 @@ def test_rows_past_the_first_wave_carry_no_partial_tokens(caplog):
     (record,) = caplog.records
     assert "engine.max_batch_size=8" in record.getMessage()
     assert "set engine.max_batch_size=16" in record.getMessage()
+
+
+class AbortsTheFinished(Recording):
+    """An engine whose stop labels "abort" the requests that finished in the step that completed
+    the k-th group, as SGLang 0.5.23 does (its abort wins over the stop and length checks)."""
+
+    def stream(self, requests, *, until_groups=None):
+        groups = {}
+        for r in requests:
+            groups.setdefault(r.group or r.request_id, set()).add(r.request_id)
+        done: set[str] = set()
+        complete = 0
+        for c in super().stream(requests, until_groups=until_groups):
+            if until_groups is not None and complete >= until_groups and c.finish_reason != "abort":
+                c = replace(c, finish_reason="abort")
+            elif c.finish_reason != "abort":
+                done.add(c.request_id)
+                group = next(g for g, ids in groups.items() if c.request_id in ids)
+                complete += groups[group] <= done
+            yield c
+
+
+def test_a_sample_labelled_abort_in_its_finishing_step_is_not_continued():
+    """Every request ends at step 4 (no stop ids), so the groups beyond the batch's come back as
+    "abort" holding all their tokens: they are finished samples, trained as they are, never
+    continued with no budget left (max_new_tokens 0) or past a stop id."""
+    eng = TorchEngine(ARGS, in_process=True)
+    try:
+        wrapped = AbortsTheFinished(eng)
+        queue = make_queue(wrapped, oversample=2.0, sampling=SamplingParams(max_new_tokens=4))
+        queue.start()
+        batches = run(queue, 3)
+    finally:
+        eng.shutdown()
+    for b in batches:
+        for sample in b.samples:
+            assert sample.completion.finish_reason == "length"
+            assert len(sample.completion.token_ids) == 4
+    assert sum(b.metrics["rollout/carried_over"] for b in batches) > 0  # the case occurred
+    continued = [r for reqs in wrapped.streams[1:] for r in reqs if len(r.prompt_ids) > 3]
+    assert not continued, "a finished sample was continued"

@@ -33,7 +33,13 @@ It is as unforgiving as 0.5.23 where the backend's correctness depends on it:
     * the scheduler sees one GPU (index 0): a CUDA IPC handle that carries the producer's device
       index instead of the GPU's UUID (no ``monkey_patch_torch_reductions``) from a rank whose
       local index is not 0 is fatal;
-    * the environment the scheduler inherits is recorded (``spawn_env``).
+    * the environment the scheduler inherits is recorded (``spawn_env``);
+    * as seen on the real engine (the ``sglang_cpu`` lane): a running request that is aborted
+      still samples one more token and comes back labelled "abort" even when that token is a
+      stop id or its last; SGLang's context limits (max_new capped at ``context - 2 - prompt``,
+      prompts of ``context - 6`` tokens or more refused with a ValueError from
+      ``async_generate``); ``Engine()`` resets this process's logging
+      (``logging.basicConfig(level=ERROR, force=True)``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import math
 import os
 import signal
@@ -367,6 +374,8 @@ class FakeEngine:
     def __init__(self, **kwargs) -> None:
         self.kwargs = kwargs
         self.log: list[tuple] = [("Engine", kwargs)]
+        # configure_logger(server_args) in the trainer's process
+        logging.basicConfig(level=logging.ERROR, force=True)
         with open(Path(kwargs["model_path"]) / "config.json") as f:
             cfg = json.load(f)
         self.eos = {int(cfg["eos_token_id"])} if "eos_token_id" in cfg else set()
@@ -459,6 +468,14 @@ class FakeEngine:
         }
         if 0 <= sp["temperature"] < 1e-6:  # SGLang's greedy rewrite
             sp["temperature"], sp["top_k"] = 1.0, 1
+        context = self.kwargs["context_length"] or ARGS.max_seq_len
+        max_req_len = context - 1  # tp_worker: max_req_len = context_len - 1
+        if len(input_ids) >= max_req_len - 5:  # managers/utils.py: an abort, raised by the TM
+            raise ValueError(
+                f"Input length ({len(input_ids)} tokens) exceeds the maximum allowed length "
+                f"({max_req_len - 5} tokens). Use a shorter input or enable --allow-auto-truncate."
+            )
+        sp["max_new_tokens"] = min(sp["max_new_tokens"], max_req_len - len(input_ids) - 1)
         if self.deterministic:  # sampling_batch_info: the request's seed, or 42
             gen = torch.Generator().manual_seed(sp.get("sampling_seed", 42))
         else:  # the seed is dropped: one engine-wide generator, order-dependent
@@ -476,12 +493,14 @@ class FakeEngine:
                 await self.wait_until(lambda: not self.sched_paused or r.finish is not None)
                 if r.finish is not None:
                     break
-                if r.abort:
+                r.retracted = False
+                if r.abort:  # FINISH_ABORT is set, and one more decode step still runs for it;
+                    await self._step(r)  # the abort wins over its stop / length
                     r.finish = {"type": "abort", "message": "Aborted"}
                     break
-                r.retracted = False
                 await self._step(r)
-                await asyncio.sleep(self.step_s)
+                if r.finish is None:  # a finished request returns at once
+                    await asyncio.sleep(self.step_s)
         finally:
             del self.live[rid]
             self.idle_lag = 1
@@ -1544,8 +1563,17 @@ def test_tokenizer_manager_calls_time_out_naming_the_call(fake, model_path):
     assert not t.is_alive(), "pause() hung: no timeout on the tokenizer-manager call"
     assert isinstance(box.get("error"), TimeoutError)
     assert "tokenizer_manager.pause_generation did not answer within 0.3 s" in str(box["error"])
+    # SGLang keeps the reply slot of the timed-out call armed: a late reply would answer the next
+    # call of its kind. So nothing more is sent; shutdown still works.
     fake[-1].hang_on.clear()
+    before = len(fake[-1].log)
+    with pytest.raises(RuntimeError, match=r"unusable after a timed-out call.*pause_generation"):
+        eng.resume()
+    with pytest.raises(RuntimeError, match="unusable after a timed-out call"):
+        eng.generate([req([1, 2], "a", max_new_tokens=2)])
+    assert len(fake[-1].log) == before
     eng.shutdown()
+    assert calls(fake[-1], "shutdown") == [("shutdown",)]
 
 
 def test_failed_publish_while_paused_aborts_the_retracted_requests(fake, model_path):
@@ -1705,3 +1733,118 @@ def test_cuda_ipc_collect_is_guarded(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     backend._cuda_ipc_collect()
     assert seen == [1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Behaviour seen on the real engine (tests/sglang_cpu), here with the stand-in
+
+
+def test_an_abort_in_the_finishing_step_is_labelled_finished(fake, model_path):
+    """The stand-in samples one more token for a running request it aborts, as SGLang does, and
+    says "abort" even when that token is the last of max_new_tokens: the backend labels it
+    "length", so a rollout is never continued with nothing left to sample."""
+    eng = make_engine(model_path, memory_mode="overlap")
+    f = fake[-1]
+    f.step_s = 0.05  # the stop lands between two steps of the other request
+    reqs = [
+        GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=1, seed=0), "short", "a"),
+        GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2, seed=1), "other", "b"),
+    ]
+    short, other = list(eng.stream(reqs, until_groups=1))
+    eng.shutdown()
+    assert (short.finish_reason, len(short.token_ids)) == ("length", 1)
+    raw = [c for c in f.log if c[0] == "finish" and c[1].endswith("#other")]
+    assert [(c[2], c[3]) for c in raw] == [("abort", 2)]  # what SGLang said
+    assert (other.finish_reason, len(other.token_ids)) == ("length", 2)
+
+
+@pytest.mark.parametrize(
+    "reason, tokens, params, eos, settled",
+    [
+        ("abort", [5, 9], SamplingParams(max_new_tokens=2), (), "length"),
+        ("abort", [5, 9], SamplingParams(max_new_tokens=3, stop_token_ids=(9,)), (), "stop"),
+        ("abort", [5, 63], SamplingParams(max_new_tokens=3, stop_token_ids=(9,)), (63,), "stop"),
+        ("abort", [5, 63], SamplingParams(max_new_tokens=3), (63,), "abort"),  # ignore_eos
+        ("abort", [5, 6], SamplingParams(max_new_tokens=3, stop_token_ids=(9,)), (63,), "abort"),
+        ("abort", [], SamplingParams(max_new_tokens=1), (), "abort"),
+        ("stop", [9], SamplingParams(max_new_tokens=3, stop_token_ids=(9,)), (), "stop"),
+        ("length", [5, 6, 7], SamplingParams(max_new_tokens=3), (), "length"),
+    ],
+)
+def test_settled_finish_reason(reason, tokens, params, eos, settled):
+    from minippo.engine import settled_finish_reason
+
+    assert settled_finish_reason(reason, tokens, params, eos) == settled
+
+
+def test_a_request_may_fill_the_context(fake, model_path):
+    """SGLang caps max_new at context - 2 - prompt and refuses prompts of context - 6 tokens or
+    more (the stand-in too): the backend gives SGLang CONTEXT_SLACK tokens more than the context it
+    checks requests against."""
+    eng = make_engine(model_path, memory_mode="overlap", context_length=40)
+    assert fake[-1].kwargs["context_length"] == 40 + backend.CONTEXT_SLACK
+    outs = eng.generate(
+        [
+            req(list(range(1, 40)), "a", max_new_tokens=1, seed=0),
+            req(list(range(1, 31)), "b", max_new_tokens=10, seed=1),
+        ]
+    )
+    assert [(len(c.token_ids), c.finish_reason) for c in outs] == [(1, "length"), (10, "length")]
+    with pytest.raises(ValueError, match="exceeds the engine's context length"):
+        eng.generate([req(list(range(1, 31)), "c", max_new_tokens=11)])
+    eng.shutdown()
+
+
+def test_the_trainers_logging_survives_engine_start(fake, model_path):
+    """``Engine()`` calls ``logging.basicConfig(level=ERROR, force=True)`` in this process (the
+    stand-in too); the backend restores the handlers and the level it found."""
+    root = logging.getLogger()
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    root.addHandler(handler)
+    try:
+        level = root.level
+        eng = make_engine(model_path, publish_v0=False, memory_mode="overlap")
+        logging.getLogger("minippo.training.nan_guard").warning("step skipped")
+        assert records == ["step skipped"] and root.level == level
+        eng.shutdown()
+    finally:
+        root.removeHandler(handler)
+
+
+def test_each_ranks_engine_samples_with_its_own_seed(fake, model_path, monkeypatch):
+    """The same random_seed on every rank would give every engine the same stream of samples."""
+    seeds = []
+    for rank in (0, 3):
+        monkeypatch.setenv("RANK", str(rank))
+        eng = make_engine(model_path, publish_v0=False, random_seed=5, memory_mode="overlap")
+        seeds.append(fake[-1].kwargs["random_seed"])
+        eng.shutdown()
+    assert seeds == [5, 8]
+
+
+def test_the_loop_thread_releases_the_cache_on_its_ranks_gpu(fake, model_path, monkeypatch):
+    """The first request after a publish returns the trainer's cached blocks to the driver before
+    the KV cache comes back; it runs on the engine-loop thread, which binds this rank's GPU first
+    (a new thread's current device is GPU 0, where a cudaFree would create a context)."""
+    bound = threading.local()
+    monkeypatch.setattr(backend, "_bind_device", lambda d: setattr(bound, "device", d))
+    released = []
+
+    def release_cache():
+        released.append((threading.current_thread().name, getattr(bound, "device", None)))
+
+    monkeypatch.setattr(backend, "_cuda_release_cache", release_cache)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # an engine on cuda:2
+    eng = make_engine(model_path, publish_v0=False, local_rank=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    eng._device = None  # the buckets stay on this machine's CPU
+    eng.publish_weights(weights(0), version=0)
+    eng.sleep()
+    eng.wake()
+    eng.publish_weights(weights(1), version=1)
+    eng.generate([req([1, 2], "a", max_new_tokens=2, seed=0)])  # restores the KV cache
+    eng.shutdown()
+    on_loop = [device for name, device in released if name.startswith("sglang-engine-loop")]
+    assert on_loop == [torch.device("cuda", 2)]

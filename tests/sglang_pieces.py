@@ -1,38 +1,23 @@
-"""SGLang's own code on a machine without SGLang (CPU, or a GPU box where its kernels are absent).
+"""SGLang's own serialization code on a machine without SGLang (a GPU box where its kernels are
+absent, for scripts/gpu_rehearsal.py).
 
 The pinned wheel (downloaded by pip, cached under ~/.cache/minippo/wheels or $MINIPPO_CACHE/wheels)
-is used two ways; nothing of SGLang is copied into this repository.
+is read, never installed; nothing of SGLang is copied into this repository.
+``serialization_pieces(wheel)`` executes, from the wheel's source, exactly the definitions the
+weight path needs: ``MultiprocessingSerializer``, ``SafeUnpickler`` (with its allow-list) and
+``_safe_load_torch_storage`` from ``sglang/srt/utils/common.py``, and the producer/consumer
+reduction patch from ``sglang/srt/utils/patch_torch.py``. With ``register=True`` they are also
+installed as ``sys.modules["sglang.srt.utils.patch_torch"]``, so that ``SafeUnpickler`` resolves a
+payload made with the patch, as in the scheduler. ``digest_server`` is the spawned consumer.
 
-* ``serialization_pieces(wheel)``: no dependency beyond torch. Executes, from the wheel's source,
-  exactly the definitions the weight path needs: ``MultiprocessingSerializer``, ``SafeUnpickler``
-  (with its allow-list) and ``_safe_load_torch_storage`` from ``sglang/srt/utils/common.py``, and
-  the producer/consumer reduction patch from ``sglang/srt/utils/patch_torch.py``. With
-  ``register=True`` they are also installed as ``sys.modules["sglang.srt.utils.patch_torch"]``, so
-  that ``SafeUnpickler`` resolves a payload made with the patch, as in the scheduler. For
-  scripts/gpu_rehearsal.py and its spawned unpickling process (``digest_server``).
-* A side folder (``side_folder()``): the wheel's ``sglang/`` tree plus the pure-Python (or
-  binary-wheel, dependency-free) packages its modules import (``SIDE_DEPS``, pip ``--target``),
-  used by a child process (``run_real``, ``python -m tests.sglang_pieces``) that really imports
-  the modules: ``sglang/__init__.py`` is bypassed (it imports the whole frontend), and the GPU
-  compiler ``triton``, which ``sglang.srt.utils.common`` imports but does not use at import, is
-  an empty placeholder module while those modules import (torch's own triton probe runs first,
-  so torch never sees it).
-
-What imports that way on CPU (sglang 0.5.23, torch 2.13): ``sglang.srt.sampling.sampling_params``,
-``sglang.srt.utils.common`` (with the placeholder), ``sglang.srt.utils.patch_torch``,
-``sglang.srt.utils.msgspec_utils``. What does not: ``sglang.srt.managers.io_struct`` (it imports
-``schedule_batch``, which imports every model config and multimodal processor, down to
-torchvision's compiled operators and transformers processors). The request structs are therefore
-built by executing their class definitions from io_struct's source, over the really imported
-``msgspec`` and ``msgspec_utils`` (``request_structs``).
-"""
+Where SGLang is installed (the environment of scripts/sglang_cpu_env.sh), the ``sglang_cpu`` lane
+(tests/sglang_cpu/) runs the real modules and the real engine instead."""
 
 from __future__ import annotations
 
 import ast
 import hashlib
 import io
-import json
 import os
 import subprocess
 import sys
@@ -47,9 +32,8 @@ from typing import Any
 
 SGLANG_VERSION = "0.5.23"
 ROOT = Path(__file__).resolve().parents[1]
-# what sglang.srt.utils.common and sampling_params import beyond this project's own dependencies
-SIDE_DEPS = ("msgspec", "pybase64", "psutil", "pyzmq", "starlette", "prometheus_client")
-# the request structs the backend builds, and the base they derive from
+# the request structs the backend builds, and the base they derive from (the sglang_cpu lane
+# checks that the backend builds the real ones)
 STRUCTS = (
     "BaseReq",
     "PauseGenerationReqInput",
@@ -223,228 +207,3 @@ def digest_server(wheel: str, conn: Any) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Real imports in a child process (side folder)
-
-
-def side_folder() -> Path:
-    """The wheel's sglang/ tree plus SIDE_DEPS, cached next to the wheel (RuntimeError when the
-    wheel or the packages cannot be fetched)."""
-    wheel = download_wheel()
-    side = cache_dir() / f"sglang-{SGLANG_VERSION}-side"
-    done = side / ".complete"
-    if done.exists():
-        return side
-    side.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheel) as z:
-        members = [m for m in z.namelist() if m.startswith("sglang/") and m.endswith(".py")]
-        z.extractall(side, members)
-    cmd = [
-        sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:",
-        "--target", str(side), *SIDE_DEPS,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"cannot install {SIDE_DEPS} into {side}: {' | '.join(tail)}")
-    done.write_text(json.dumps({"deps": SIDE_DEPS, "at": time.time()}))
-    return side
-
-
-def run_real(check: str, *, timeout: float = 300.0) -> dict[str, Any]:
-    """Run ``check`` of this module's child entry point with the side folder; its JSON report."""
-    side = side_folder()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(side)])}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.sglang_pieces", check, str(side), str(find_wheel())],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{check} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1].removeprefix("REPORT "))
-
-
-def _setup_real_imports(side: Path) -> None:
-    """In the child: the sglang package without its __init__, and the triton placeholder."""
-    import torch._dynamo  # noqa: F401  (torch probes for triton first, and caches "absent")
-
-    pkg = types.ModuleType("sglang")
-    pkg.__path__ = [str(side / "sglang")]
-    sys.modules["sglang"] = pkg
-
-
-def _import(name: str) -> tuple[Any, str]:
-    import importlib
-
-    placeholder = "triton" not in sys.modules
-    if placeholder:
-        sys.modules["triton"] = types.ModuleType("triton")
-    try:
-        return importlib.import_module(name), "imported"
-    except Exception as e:
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    finally:
-        if placeholder:
-            sys.modules.pop("triton", None)
-
-
-def request_structs(io_struct_source: str) -> dict[str, type]:
-    """The backend's request structs, executed from io_struct's source over the really imported
-    msgspec and sglang.srt.utils.msgspec_utils."""
-    import msgspec
-    from sglang.srt.utils import msgspec_utils
-
-    ns: dict[str, Any] = {"__name__": "sglang.srt.managers.io_struct", "msgspec": msgspec}
-    ns.update({k: getattr(typing, k) for k in ("Optional", "List", "Literal", "Annotated")})
-    ns.update({k: getattr(msgspec_utils, k) for k in dir(msgspec_utils) if not k.startswith("_")})
-    exec_definitions(io_struct_source, STRUCTS, ns)
-    return {k: ns[k] for k in STRUCTS}
-
-
-def _child(check: str, side: Path, wheel: Path) -> dict[str, Any]:
-    _setup_real_imports(side)
-    modules = (
-        "sglang.srt.sampling.sampling_params",
-        "sglang.srt.utils.msgspec_utils",
-        "sglang.srt.utils.common",
-        "sglang.srt.utils.patch_torch",
-        "sglang.srt.managers.io_struct",
-    )
-    imported = {}
-    for name in modules:
-        imported[name] = _import(name)[1]
-    report: dict[str, Any] = {"imports": imported}
-    if check == "imports":
-        return report
-    if check == "sampling":
-        return {**report, "sampling": _check_sampling()}
-    if check == "weights":
-        return {**report, "weights": _check_weights(wheel)}
-    if check == "backend":
-        return {**report, "backend": _check_backend(wheel)}
-    if check == "all":
-        return {
-            **report,
-            "sampling": _check_sampling(),
-            "backend": _check_backend(wheel),  # before _check_weights applies SGLang's patch
-            "weights": _check_weights(wheel),
-        }
-    raise ValueError(f"unknown check {check!r}")
-
-
-def _check_sampling() -> list[dict[str, Any]]:
-    """Our sampling dicts through SGLang's own SamplingParams (construction, defaults, verify)."""
-    from sglang.srt.sampling.sampling_params import TOP_K_ALL, SamplingParams
-
-    from minippo.engine import SamplingParams as Ours
-    from minippo.engine.sglang_engine import sglang_sampling_params
-
-    cases = [
-        Ours(),
-        Ours(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=9, stop_token_ids=(2, 3), seed=7),
-        Ours(temperature=0.0, seed=3, max_new_tokens=4),
-    ]
-    out = []
-    for ours in cases:
-        for send_seed in (True, False):
-            sp = SamplingParams(**sglang_sampling_params(ours, send_seed=send_seed))
-            sp.verify(vocab_size=1000)
-            out.append(
-                {
-                    "temperature": sp.temperature,
-                    "top_k": sp.top_k,
-                    "top_k_is_all": sp.top_k == TOP_K_ALL,
-                    "top_p": sp.top_p,
-                    "max_new_tokens": sp.max_new_tokens,
-                    "stop_token_ids": sorted(sp.stop_token_ids or []),
-                    "ignore_eos": sp.ignore_eos,
-                    "sampling_seed": sp.sampling_seed,
-                    "send_seed": send_seed,
-                    "ours": ours.__dict__ | {"stop_token_ids": list(ours.stop_token_ids)},
-                }
-            )
-    return out
-
-
-def _check_weights(wheel: Path) -> dict[str, Any]:
-    """Our payload (serialize_bucket's serializer) unpickled by SGLang's really imported
-    SafeUnpickler in a spawned process; and what the real producer-side patch does."""
-    import multiprocessing
-    import pickle
-
-    import torch
-    from sglang.srt.utils import patch_torch
-    from sglang.srt.utils.common import MultiprocessingSerializer, SafeUnpickler
-    from torch.multiprocessing import reductions
-
-    from minippo.models import Transformer, init_weights, qwen3_tiny
-    from minippo.parallel import full_tensor_buckets
-
-    model = init_weights(Transformer(qwen3_tiny()), seed=1, std=0.1)
-    named = [x for b in full_tensor_buckets(model, bucket_bytes=1 << 30, dtype=torch.bfloat16)
-             for x in b]  # fmt: skip
-    payload = MultiprocessingSerializer.serialize(obj=named)
-    ctx = multiprocessing.get_context("spawn")
-    here, there = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_spawned_real_unpickle, args=(payload, there, sys.path[:]))
-    proc.start()
-    got = here.recv() if here.poll(120) else {"error": "no answer in 120 s"}
-    proc.join(30)
-    report = {
-        "n_tensors": len(named),
-        "spawned": got,
-        "digests": tensor_digests(named),
-        "rebuild_cuda_tensor_modified_allowed": (
-            "sglang.srt.utils.patch_torch",
-            "_rebuild_cuda_tensor_modified",
-        )
-        in SafeUnpickler.ALLOWED_GLOBALS,
-        "rebuild_cuda_tensor_allowed": ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
-        in SafeUnpickler.ALLOWED_GLOBALS,
-    }
-    try:  # a global of a code module is refused
-        MultiprocessingSerializer.deserialize(pickle.dumps(os.system))
-        report["blocks_os_system"] = False
-    except RuntimeError as e:
-        report["blocks_os_system"] = "Blocked unsafe global" in str(e)
-    patch_torch.monkey_patch_torch_reductions()
-    report["patched_reduce_tensor"] = reductions.reduce_tensor.__name__
-    try:
-        MultiprocessingSerializer.serialize(obj=named[:1])
-        report["patched_cpu_serialize"] = "ok"
-    except Exception as e:
-        report["patched_cpu_serialize"] = f"{type(e).__name__}: {e}"
-    return report
-
-
-def _spawned_real_unpickle(payload: bytes, conn: Any, path: list[str]) -> None:
-    sys.path[:] = path
-    try:
-        side = Path(next(p for p in path if p.endswith(f"sglang-{SGLANG_VERSION}-side")))
-        _setup_real_imports(side)
-        mod, status = _import("sglang.srt.utils.common")
-        if mod is None:
-            raise ImportError(status)
-        named = mod.MultiprocessingSerializer.deserialize(payload)
-        conn.send({"digests": tensor_digests(named), "unpickler": mod.SafeUnpickler.__module__})
-    except BaseException as e:
-        conn.send({"error": f"{type(e).__name__}: {e}"})
-    finally:
-        conn.close()
-
-
-def _check_backend(wheel: Path) -> dict[str, Any]:
-    """The backend against the recording stand-in, with SGLang's real request structs and its
-    real MultiprocessingSerializer / SafeUnpickler in place of the stand-in's."""
-    from sglang.srt.utils.common import MultiprocessingSerializer
-
-    import tests.unit.test_sglang_engine as stand_in
-
-    structs = request_structs(_source(wheel, "sglang.srt.managers.io_struct"))
-    return stand_in.run_with_real_pieces(structs, MultiprocessingSerializer)
-
-
-if __name__ == "__main__":
-    check, side_arg, wheel_arg = sys.argv[1:4]
-    result = _child(check, Path(side_arg), Path(wheel_arg))
-    print("REPORT " + json.dumps(result, default=str), flush=True)

@@ -77,6 +77,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from minippo.parallel.distributed import collective_device
+
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
@@ -649,9 +651,7 @@ def _all_ranks_ok(ok: bool) -> bool:
     """Whether ``ok`` holds on every rank (a barrier that also carries one flag)."""
     if not _dist():
         return ok
-    flag = torch.tensor([0.0 if ok else 1.0])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
+    flag = torch.tensor([0.0 if ok else 1.0], device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return float(flag.item()) == 0.0
 

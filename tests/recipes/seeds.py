@@ -23,15 +23,31 @@ from collections.abc import Mapping, Sequence
 SEEDS = (0, 1, 2)
 
 
-def thresholds(measured: Sequence[float], n: int = len(SEEDS)) -> tuple[float, float]:
-    """(the bound for the mean of ``n`` seeds, the bound for each seed); see the module doc."""
-    m, s = statistics.fmean(measured), statistics.stdev(measured)
+def thresholds(
+    measured: Sequence[float], n: int = len(SEEDS), spread: float | None = None
+) -> tuple[float, float]:
+    """(the bound for the mean of ``n`` seeds, the bound for each seed); see the module doc.
+    ``spread``: the standard deviation to use (None: that of ``measured``)."""
+    m = statistics.fmean(measured)
+    s = statistics.stdev(measured) if spread is None else spread
     return m - 2 * s / math.sqrt(n), m - 3 * s
 
 
-def check_learns(scores: Mapping[int, float], measured: Sequence[float], what: str) -> None:
+def pooled_stdev(*groups: Sequence[float]) -> float:
+    """The standard deviation of seed outcomes pooled over variants of one job (the mean of the
+    groups' variances, groups of equal size): a variant whose few seeds happen to agree (all at
+    the reward's ceiling) does not get a spread of ~0 from them."""
+    return math.sqrt(statistics.fmean(statistics.variance(g) for g in groups))
+
+
+def check_learns(
+    scores: Mapping[int, float],
+    measured: Sequence[float],
+    what: str,
+    spread: float | None = None,
+) -> None:
     """Assert that ``scores`` (seed -> final score) pass both bounds of :func:`thresholds`."""
-    mean_bound, each_bound = thresholds(measured, len(scores))
+    mean_bound, each_bound = thresholds(measured, len(scores), spread)
     mean = statistics.fmean(scores.values())
     text = ", ".join(f"seed {k}: {v:.3f}" for k, v in scores.items())
     assert mean >= mean_bound, f"{what}: mean {mean:.3f} < {mean_bound:.3f} ({text})"

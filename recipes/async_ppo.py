@@ -238,6 +238,10 @@ class AsyncPPORecipe:
         # checkpoint's or a seeded random init's weights. The engine is built from the model
         # config and receives its weights through the first publish.
         args = self._model_args(cfg.checkpoint_path)  # its vocabulary fits the tokenizer: preflight
+        longest = {"dataset": preflight.longest_prompt(self.dataset)}  # prompt + budget fit
+        if self.eval_set is not None:
+            longest["eval.dataset"] = preflight.longest_prompt(self.eval_set)
+        preflight.raise_problems(preflight.context_problems(cfg, args, prompt_tokens=longest))
         self.engine = instantiate(cfg.engine, model_args=args)
         self.actor = self._build_model(args, cfg.checkpoint_path, seed=cfg.seed)
         self.critic = None
@@ -321,15 +325,19 @@ class AsyncPPORecipe:
         resume = self.checkpointer.resolve(cfg.resume_from)
         if resume is not None:
             self._load_checkpoint(resume)
+        # resumed at total_steps (preflight allows it only when the run was killed during its
+        # HF export): nothing to generate or train, the export is all that is left
+        training = self.start_step < self.total_steps
         # The engine holds the weights of the version `start_step` trains from: the actor's, or
         # inside a sync cycle (a resume) the cycle's published ones.
-        with self._cycle_weights(self.start_step):
-            self._publish(self.start_step // self.sync_every)
-        self.queue.start()
+        if training:
+            with self._cycle_weights(self.start_step):
+                self._publish(self.start_step // self.sync_every)
+            self.queue.start()
 
         self.logger = instantiate(cfg.metric_logger) if self.is_main else NoOpLogger()
         self.logger.log_config(OmegaConf.to_container(cfg, resolve=True))
-        if self.eval_set is not None and cfg.eval.before_train:
+        if training and self.eval_set is not None and cfg.eval.before_train:
             self._validate(self.start_step)
         self.progress = ProgressBar(
             self.total_steps, self.start_step, enabled=self.is_main and cfg.progress_bar
@@ -491,7 +499,9 @@ class AsyncPPORecipe:
         self.progress.close()
         export = self.output_dir.export_dir
         if cfg.checkpoint.export_hf:
-            parallel.export_hf(self.actor, export, tokenizer_dir=cfg.checkpoint_path)
+            parallel.export_hf(
+                self.actor, export, tokenizer_dir=cfg.checkpoint_path, step=self.total_steps
+            )
         if self.is_main:
             print(f"metrics: {Path(cfg.metric_logger.get('path', cfg.output_dir)).resolve()}")
             print(f"checkpoint: {self.ckpt_path.resolve() if self.ckpt_path else 'none saved'}")

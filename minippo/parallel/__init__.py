@@ -11,6 +11,8 @@ Public names:
     full_tensor_buckets(model, *, bucket_bytes, dtype=None) -> Iterator[list[(hf_name, Tensor)]]
     gather_full_state_dict(model, *, dtype=None, device="cpu", rank0_only=False)
         -> {native_name: Tensor}
+    export_hf(model, path, *, tokenizer_dir=None, step=None)   (atomic HF folder, rank 0 writes)
+    exported_step(path) -> the step of a complete export at path, or None
     apply_activation_checkpointing(model) -> model   (per decoder block; before shard_model)
     compile_blocks(model) -> model   (torch.compile per decoder block; before shard_model)
     union_over_ranks(values, device) -> sorted list   (every rank's ints, e.g. weight versions)
@@ -36,6 +38,7 @@ from minippo.parallel.distributed import (
 from minippo.parallel.fsdp import (
     assert_not_meta,
     export_hf,
+    exported_step,
     full_tensor_buckets,
     gather_full_state_dict,
     load_full_state_dict,
@@ -58,6 +61,7 @@ __all__ = [
     "compile_blocks",
     "destroy_distributed",
     "export_hf",
+    "exported_step",
     "full_tensor_buckets",
     "gather_full_state_dict",
     "init_distributed",

@@ -69,24 +69,15 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     """
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        device, _ = placement(0, cuda=cuda, device_count=torch.cuda.device_count() if cuda else 0)
         return DistInfo(rank=0, world_size=1, local_rank=0, device=device, distributed=False)
     die_with_parent()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if cuda:
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA devices are "
-                "visible; lower --nproc-per-node"
-            )
-        device = torch.device("cuda", local_rank)
+    count = torch.cuda.device_count() if cuda else 0
+    device, backend = placement(local_rank, cuda=cuda, device_count=count, backend=backend)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    backend = backend or ("nccl" if cuda else "gloo")
-    if backend == "nccl" and not cuda:
-        raise ValueError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
@@ -145,6 +136,33 @@ def destroy_distributed() -> None:
     """Tear down the default process group if one exists."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def placement(
+    local_rank: int, *, cuda: bool, device_count: int, backend: str | None = None
+) -> tuple[torch.device, str]:
+    """The device and process-group backend of the rank with ``local_rank`` on its node:
+    ``cuda:<local_rank>`` and ``nccl`` where CUDA is available (``device_count`` devices), else the
+    CPU and ``gloo``; ``backend`` overrides the backend. Raises for a local rank without a device
+    and for NCCL without CUDA."""
+    if cuda and local_rank >= device_count:
+        raise RuntimeError(
+            f"LOCAL_RANK {local_rank} but only {device_count} CUDA devices are visible; lower "
+            "--nproc-per-node"
+        )
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    backend = backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise ValueError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
+    return device, backend
+
+
+def collective_device(default: torch.device | str = "cpu") -> torch.device:
+    """Where a tensor handed to a collective of the default process group must live: the current
+    CUDA device under NCCL (which reduces accelerator tensors only), else ``default``."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(default)
 
 
 def _several_ranks() -> bool:

@@ -13,6 +13,8 @@ Typical use (every rank runs the same code)::
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -28,6 +30,7 @@ from minippo.models.hf_checkpoint import hf_name
 __all__ = [
     "assert_not_meta",
     "export_hf",
+    "exported_step",
     "full_tensor_buckets",
     "gather_full_state_dict",
     "load_full_state_dict",
@@ -202,18 +205,68 @@ def gather_full_state_dict(
     return out
 
 
+EXPORT_INFO = "minippo_export.json"  # {"step": N}: written into the export folder last
+
+
 def export_hf(
-    model: nn.Module, path: str | Path, *, tokenizer_dir: str | Path | None = None
+    model: nn.Module,
+    path: str | Path,
+    *,
+    tokenizer_dir: str | Path | None = None,
+    step: int | None = None,
 ) -> None:
     """Write a (sharded or plain) :class:`~minippo.models.Transformer` as an HF folder: config.json
-    + safetensors, and the tokenizer files found in ``tokenizer_dir`` (e.g. the checkpoint the
-    run started from). Collective: every rank gathers, rank 0 alone holds the copy and writes."""
+    + safetensors, the tokenizer files found in ``tokenizer_dir`` (e.g. the checkpoint the run
+    started from) and, with ``step``, :data:`EXPORT_INFO` (the training steps the weights have
+    had). Collective: every rank gathers, rank 0 alone holds the copy and writes.
+
+    Atomic: everything goes into ``<path>.tmp`` (each file fsynced), which is then renamed to
+    ``path``; an export already at ``path`` is renamed aside first and deleted after. A process
+    killed at any point leaves either a complete folder at ``path`` or none (the old one, or the
+    leftovers of a killed export, are removed by the next export): :func:`exported_step` tells.
+    """
     from minippo.models import TOKENIZER_FILES, save_pretrained_state_dict
 
     state = gather_full_state_dict(model, rank0_only=True)  # {} off rank 0
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    save_pretrained_state_dict(state, model.args, path)
+    final = Path(path)
+    tmp = final.with_name(final.name + ".tmp")
+    for leftover in [tmp, *final.parent.glob(f"{final.name}.old-*")]:  # from a killed export
+        shutil.rmtree(leftover, ignore_errors=True)
+    save_pretrained_state_dict(state, model.args, tmp)
     for name in TOKENIZER_FILES:
         if tokenizer_dir and (Path(tokenizer_dir) / name).is_file():
-            shutil.copy(Path(tokenizer_dir) / name, Path(path) / name)
+            shutil.copy(Path(tokenizer_dir) / name, tmp / name)
+    if step is not None:
+        (tmp / EXPORT_INFO).write_text(json.dumps({"step": int(step)}) + "\n")
+    for file in tmp.iterdir():  # the data on disk before the name that says it is complete
+        _fsync(file)
+    _fsync(tmp)
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{os.getpid()}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def exported_step(path: str | Path) -> int | None:
+    """The ``step`` of a complete :func:`export_hf` folder at ``path``; None when there is none
+    (never written, or a kill interrupted the export) or it was written without ``step``."""
+    try:
+        info = json.loads((Path(path) / EXPORT_INFO).read_text(encoding="utf-8"))
+        return int(info["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a folder's (its entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -4,7 +4,7 @@ Layout under ``ckpt_dir`` (``${output_dir}/checkpoints`` in the configs)::
 
     step_000010/              a complete checkpoint: 10 training steps done
         .metadata, *.distcp   DCP shards of every model and optimizer (each rank writes its own)
-        extra_rank0.pt        per-rank state of the Stateful components (pickled): RNG, correction,
+        extra_rank0.pt        per-rank state of the Stateful components (torch.save): RNG, correction,
         extra_rank1.pt        rollout queue (with the batch generated ahead), LR schedulers, guards
         meta.json             {"step": 10, "world_size": 2, "shard_ranks": 2, "format": 2, ...};
                               written last
@@ -44,6 +44,11 @@ the DCP ``.metadata``, every ``.distcp`` at least as long as the metadata says, 
 ``extra_rank*.pt`` a complete archive); a damaged one is refused with the file, what is wrong and
 the newest intact checkpoint to resume from instead. A save that fails (a full disk, for one)
 removes its partial ``.tmp`` folder and says so; the previous checkpoint and ``latest`` stay.
+
+Data, not code: ``extra_rank*.pt`` is loaded with ``torch.load(weights_only=True)``, which builds
+tensors, Python's containers and scalars and the classes :func:`checkpoint_state_types` lists,
+and refuses any other global a pickle names (a checkpoint from elsewhere cannot run code on
+resume): :class:`UnsafeCheckpointError`, one line naming the file and the global.
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
+import re
 import shutil
 import time
 import warnings
@@ -69,6 +76,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from minippo.parallel.distributed import collective_device
 
 log = logging.getLogger(__name__)
 
@@ -410,7 +419,7 @@ class Checkpointer:
                 "optimizers (Checkpointer.load_models)"
             )
         self.load_models(path, models=models, meta=meta)
-        extra = torch.load(path / f"extra_rank{_rank()}.pt", weights_only=False)
+        extra = load_extra_state(path / f"extra_rank{_rank()}.pt")
         missing = sorted(set(states) - set(extra))
         if missing:
             raise ValueError(
@@ -525,6 +534,53 @@ class CorruptCheckpointError(ValueError):
     """A checkpoint file is missing, truncated or corrupt (the message names it)."""
 
 
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint's per-rank state holds a type that is not data (a pickle that would import
+    or call code): the message names the file and the type."""
+
+
+def checkpoint_state_types() -> list[type]:
+    """The classes (besides tensors and Python's containers and scalars) that the per-rank
+    ``extra_rank*.pt`` of a minippo checkpoint may hold: the rollout queues' batches, samples and
+    carried groups, with the prompt items and completions inside them. :func:`load_extra_state`
+    allows exactly these; a Stateful of your own whose ``state_dict()`` holds another class
+    registers it with ``torch.serialization.add_safe_globals([YourClass])`` where it is defined
+    (a plain dict of tensors and numbers needs nothing)."""
+    from minippo.data.prompts import PromptExample
+    from minippo.engine.protocol import Completion
+    from minippo.rl.types import RolloutBatch
+    from minippo.training.alternating_queue import _Group, _Sample
+    from minippo.training.rollout_queue import QueueBatch, RolloutSample
+
+    return [QueueBatch, RolloutSample, RolloutBatch, Completion, PromptExample, _Group, _Sample]
+
+
+def load_extra_state(file: Path) -> dict[str, Any]:
+    """One rank's ``extra_rank*.pt``, loaded as data (``torch.load(weights_only=True)``): tensors,
+    containers, scalars and :func:`checkpoint_state_types`. A file whose pickle names any other
+    global (a function to call, a class to build: code, not data) is refused with
+    :class:`UnsafeCheckpointError` before anything in it runs."""
+    try:
+        with torch.serialization.safe_globals(checkpoint_state_types()):
+            extra = torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))  # the wording differs by torch version
+        what = f"the global {found.group(1)}" if found else "an object that is not plain data"
+        raise UnsafeCheckpointError(
+            f"checkpoint {file.parent}: {file.name} holds {what}, which is not one of the types "
+            "a minippo checkpoint holds (loading it could run code); it was not written by "
+            "minippo's Checkpointer or was altered: resume from a checkpoint you trust, or, for "
+            "a Stateful of your own, register its class with "
+            "torch.serialization.add_safe_globals where the class is defined"
+        ) from None
+    if not isinstance(extra, dict):
+        raise UnsafeCheckpointError(
+            f"checkpoint {file.parent}: {file.name} holds a {type(extra).__name__}, not the dict "
+            "of named states that Checkpointer.save writes"
+        )
+    return extra
+
+
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Check the files of checkpoint ``path`` without loading any tensor; return its meta.json.
 
@@ -595,9 +651,7 @@ def _all_ranks_ok(ok: bool) -> bool:
     """Whether ``ok`` holds on every rank (a barrier that also carries one flag)."""
     if not _dist():
         return ok
-    flag = torch.tensor([0.0 if ok else 1.0])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
+    flag = torch.tensor([0.0 if ok else 1.0], device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return float(flag.item()) == 0.0
 

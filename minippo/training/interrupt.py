@@ -111,9 +111,9 @@ class StopOnSignal:
             return flag
         import torch
 
-        device = torch.device("cpu")
-        if dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
+        from minippo.parallel import distributed
+
+        device = distributed.collective_device()
         t = torch.tensor([float(flag), float(self.signum or 0)], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         agreed, signum = t.tolist()

@@ -21,6 +21,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from minippo.parallel.distributed import collective_device
+
 log = logging.getLogger(__name__)
 
 
@@ -36,8 +38,7 @@ def all_finite(*values: torch.Tensor | float) -> bool:
     The flags are combined on the device: one host sync per call, whatever the number of values.
     """
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = collective_device(default=device)
     flags = [
         torch.isfinite(torch.as_tensor(v, dtype=torch.float32)).all().to(device) for v in values
     ]

@@ -12,8 +12,10 @@ problem it finds at once, one line each, naming the key or the file and the fix:
   its shape checks.
 * :func:`input_problems`: the files: ``output_dir`` and the paths under it, ``checkpoint_path``
   (config.json and every safetensors file complete), the dataset's local files (present,
-  non-empty, in their format), the tokenizer against the model's vocabulary, and the checkpoint
-  ``resume_from`` names (intact, same number of ranks, before ``total_steps``).
+  non-empty, in their format), the tokenizer against the model's vocabulary, each prompt +
+  response budget against the engine's context (:func:`context_problems`), and the checkpoint
+  ``resume_from`` names (intact, same number of ranks, before ``total_steps``, or at it when
+  the run was killed during its final HF export: :func:`export_left`).
 
 Nothing here builds a model, an engine or a dataset, creates a process group or writes a file.
 """
@@ -241,6 +243,8 @@ def input_problems(
     problems += _dataset_problems(cfg, "eval.dataset")
     if not problems:
         problems += _vocab_problems(cfg, args)
+    if not problems:
+        problems += context_problems(cfg, args)
     problems += _resume_problems(cfg, world_size, local_world_size)
     return problems
 
@@ -400,6 +404,73 @@ def _vocab_problems(cfg: DictConfig, args: Any) -> list[str]:
     return []
 
 
+# (key of a response budget, the dataset whose prompts it follows, the key it defaults to)
+_BUDGETS = (
+    ("rollout.max_new_tokens", "dataset", None),
+    ("eval.max_new_tokens", "eval.dataset", "rollout.max_new_tokens"),  # eval: null = rollout's
+    ("sampling.max_new_tokens", "dataset", None),  # recipes/eval.py
+)
+
+
+def context_problems(
+    cfg: DictConfig, args: Any = None, prompt_tokens: dict[str, int] | None = None
+) -> list[str]:
+    """Every response budget against the engine's context: ``len(prompt) + max_new_tokens`` must
+    fit ``engine.context_length`` when the config sets it, else the model's ``max_seq_len`` (an
+    HF checkpoint's ``max_position_embeddings``), which the engine would refuse only once the
+    first request reaches it.
+
+    ``args``: the model's ModelArgs (None: built from ``model``). ``prompt_tokens``: the longest
+    prompt of each dataset key (``"dataset"``, ``"eval.dataset"``), known once the datasets are
+    built; without it a dataset's ``max_prompt_tokens`` bounds its prompts, else 1 token (the
+    shortest prompt) does.
+    """
+    if args is None:
+        if _get(cfg, "model") is None or _get(cfg, "checkpoint_path") is not None:
+            return []  # no model to read; an HF folder's config is read by input_problems
+        try:
+            args = instantiate(cfg.model)
+        except (OSError, ValueError, TypeError) as e:
+            return [f"cannot build the model config: {e}"]
+    if _get(cfg, "engine.context_length") is not None:
+        context, where = int(_get(cfg, "engine.context_length")), "engine.context_length"
+    else:
+        context = int(args.max_seq_len)
+        where = (
+            "the max_position_embeddings of checkpoint_path"
+            if _get(cfg, "checkpoint_path") is not None
+            else "model.max_seq_len"
+        )
+    problems = []
+    for key, dataset, fallback in _BUDGETS:
+        budget = _get(cfg, key)
+        if budget is None and fallback is not None and _get(cfg, dataset.rsplit(".", 1)[0]):
+            budget = _get(cfg, fallback)
+        if not isinstance(budget, int) or isinstance(budget, bool):
+            continue  # absent, or its type is the schema's to report
+        if prompt_tokens is not None and dataset in prompt_tokens:
+            prompt, what = prompt_tokens[dataset], f"the longest prompt of {dataset}"
+        elif isinstance(_get(cfg, f"{dataset}.max_prompt_tokens"), int):
+            prompt = _get(cfg, f"{dataset}.max_prompt_tokens")
+            what = f"{dataset}.max_prompt_tokens"
+        else:
+            prompt, what = 1, "a prompt of at least"
+        if prompt + budget > context:
+            problems.append(
+                f"{key}={budget} plus {what} {prompt} token{'s' * (prompt != 1)} exceeds the "
+                f"engine's context of {context} tokens ({where}); set {key} to at most "
+                f"{max(context - prompt, 0)}"
+            )
+    return problems
+
+
+def longest_prompt(dataset: Any) -> int:
+    """The longest prompt of a built dataset (a sequence of prompt items), in tokens."""
+    from minippo.training.rollout_queue import prompt_ids_of
+
+    return max((len(prompt_ids_of(item)) for item in dataset), default=0)
+
+
 def stop_ids(
     tokenizer: Any, stop_tokens: Any, *, stop_at_eos: bool, key: str = "rollout.stop_tokens"
 ) -> tuple[int, ...]:
@@ -457,9 +528,21 @@ def _resume_problems(cfg: DictConfig, world_size: int, local_world_size: int | N
         return [str(e)]
     problems = []
     total = _get(cfg, "total_steps")
-    if isinstance(total, int) and meta["step"] >= total:
+    if isinstance(total, int) and meta["step"] >= total and not export_left(cfg, meta["step"]):
         problems.append(
             f"checkpoint {path} is at step {meta['step']}, but total_steps is {total}; raise "
             "total_steps to continue training"
         )
     return problems
+
+
+def export_left(cfg: DictConfig, step: int) -> bool:
+    """Whether a run resumed at ``step == total_steps`` still has its HF export to write: the run
+    was killed during the export (``checkpoint.export_hf`` on, and ``output_dir/hf_export`` holds
+    no complete export of that step). Such a resume trains nothing and only exports."""
+    if step != _get(cfg, "total_steps") or not _get(cfg, "checkpoint.export_hf"):
+        return False
+    from minippo.parallel.fsdp import exported_step
+
+    export = Path(str(_get(cfg, "output_dir"))).expanduser() / "hf_export"
+    return exported_step(export) != step

@@ -154,6 +154,16 @@ CASES = [
     run_case("top_p_zero", "rollout.top_p=0", phrase="rollout.top_p must be a number in (0, 1]"),
     run_case("top_k_negative", "rollout.top_k=-1", phrase="rollout.top_k must be an integer >= 0"),
     run_case("max_new_tokens_zero", "rollout.max_new_tokens=0", phrase="rollout.max_new_tokens"),
+    run_case("max_new_tokens_beyond_context", "rollout.max_new_tokens=100000",
+             phrase="rollout.max_new_tokens=100000 plus a prompt of at least 1 token exceeds the "
+                    "engine's context of 512 tokens (model.max_seq_len); set "
+                    "rollout.max_new_tokens to at most 511"),
+    # 511 fits a 1-token prompt (what the config tells); the built dataset's longer prompts do
+    # not: the recipe checks again once its datasets exist, before any engine or model (the
+    # output folder is claimed by then: its lock file is written)
+    run_case("max_new_tokens_beyond_context_with_the_prompts", "rollout.max_new_tokens=511",
+             phrase="rollout.max_new_tokens=511 plus the longest prompt of dataset",
+             validate=False, writes=True),
     run_case("groups_zero", "rollout.groups_per_batch=0", phrase="rollout.groups_per_batch must"),
     run_case("samples_zero", "rollout.samples_per_prompt=0", phrase="samples_per_prompt must"),
     run_case("staleness_negative", "rollout.max_staleness=-1", phrase="rollout.max_staleness must"),

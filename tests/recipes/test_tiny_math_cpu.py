@@ -12,6 +12,7 @@ import pytest
 from minippo.config import instantiate, load_config
 from minippo.data import MathAnswerMatch
 from minippo.training.metrics import read_jsonl
+from tests.recipes.seeds import SEEDS, check_learns
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,21 +68,34 @@ def test_validates_and_runs_three_steps(tmp_path):
     assert (out / "hf_export" / "config.json").is_file()
 
 
+# Measured, the config as shipped, seeds 0-2 (docs/tiny_math_cpu.md): validation pass@1 at step
+# 400 and the training reward over the last 10 steps, on a 2-core AMD EPYC (the first three) and
+# a 2-core Intel Xeon (the last three); the bounds follow from them (tests/recipes/seeds.py).
+PASS_AT_1 = [0.984, 0.969, 0.805, 0.672, 0.844, 0.898]  # mean 0.862, s 0.116: >= 0.728, each 0.514
+REWARD_LAST_10 = [0.981, 0.967, 0.850, 0.831, 0.839, 0.969]  # 0.906, s 0.073: >= 0.822, 0.687
+
+
 @pytest.mark.slow
 def test_tiny_math_cpu_learns(tmp_path):
-    """Seed 0, the config as shipped: from ~0 to >= 0.8 mean reward over the last 10 steps (0.98 on
-    the machine that wrote this, docs/tiny_math_cpu.md)."""
-    proc = cli(
-        "run", "async_ppo", "--config", "tiny_math_cpu", f"output_dir={tmp_path}",
-        "progress_bar=false", timeout=1200,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    logged = read_jsonl(tmp_path / "metrics.jsonl")
-    rows = [r for r in logged if "rollout/reward_mean" in r]
-    evals = [r for r in logged if "eval/pass@1" in r]
-    assert rows[0]["rollout/reward_mean"] < 0.05
-    last = [r["rollout/reward_mean"] for r in rows[-10:]]
-    assert sum(last) / len(last) >= 0.8
-    # the validation curve: every 20 steps and before training; it rises with the reward
-    assert [r["step"] for r in evals] == list(range(0, 401, 20))
-    assert evals[0]["eval/pass@1"] < 0.05 and evals[-1]["eval/pass@1"] >= 0.8
+    """Seeds 0-2, the config as shipped: from ~0 to the validation pass@1 and final training
+    reward that earlier runs reached, in the mean over the seeds and in each one (bounds derived
+    from the seeds' spread: tests/recipes/seeds.py)."""
+    pass_at_1, reward = {}, {}
+    for seed in SEEDS:
+        out = tmp_path / f"seed{seed}"
+        proc = cli(
+            "run", "async_ppo", "--config", "tiny_math_cpu", f"seed={seed}", f"output_dir={out}",
+            "progress_bar=false", timeout=1200,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logged = read_jsonl(out / "metrics.jsonl")
+        rows = [r for r in logged if "rollout/reward_mean" in r]
+        evals = [r for r in logged if "eval/pass@1" in r]
+        assert rows[0]["rollout/reward_mean"] < 0.05
+        # the validation curve: every 20 steps and before training, from ~0
+        assert [r["step"] for r in evals] == list(range(0, 401, 20))
+        assert evals[0]["eval/pass@1"] < 0.05
+        pass_at_1[seed] = evals[-1]["eval/pass@1"]
+        reward[seed] = sum(r["rollout/reward_mean"] for r in rows[-10:]) / 10
+    check_learns(pass_at_1, PASS_AT_1, "validation pass@1 at step 400")
+    check_learns(reward, REWARD_LAST_10, "training reward, last 10 steps")

@@ -229,3 +229,38 @@ def test_prune_never_deletes_the_checkpoint_latest_names(tmp_path):
         ckpt.save(step, models={"actor": (model, optim)}, states={})
     assert ckpt.resolve("latest").name == "step_000005"
     assert (tmp_path / "step_000005" / "meta.json").is_file()
+
+
+class _RunsCode:
+    """What a hostile pickle carries: unpickling it calls a function (here: writes a file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_resume_refuses_a_planted_pickle_that_would_run_code(tmp_path, capsys):
+    """extra_rank0.pt replaced by a pickle whose loading calls os.mkdir: the load refuses it
+    before it runs (no folder appears), in one line that names the file and the global; a
+    checkpoint written by the Checkpointer (plain states, the queue's dataclasses) still loads."""
+    from minippo.config._report import report_error
+
+    model, optim = _model_and_optim(0)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    path = ckpt.save(1, models={"m": (model, optim)}, states={"box": _Box({"a": [1, 2.0]})})
+    box = _Box()
+    ckpt.load(path, models={"m": (model, optim)}, states={"box": box})
+    assert box.value == {"a": [1, 2.0]}
+
+    marker = tmp_path / "code_ran"
+    torch.save({"box": {"value": _RunsCode(marker)}}, path / "extra_rank0.pt")
+    with pytest.raises(ValueError) as err:
+        ckpt.load(path, models={"m": (model, optim)}, states={"box": _Box()})
+    assert not marker.exists(), "the pickle's code ran"
+    assert err.type.__name__ == "UnsafeCheckpointError"
+    assert "extra_rank0.pt holds the global posix.mkdir" in str(err.value)
+    assert report_error(err.value) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0] and "posix.mkdir" in lines[0], lines

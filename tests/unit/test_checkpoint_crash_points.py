@@ -26,8 +26,9 @@ REQUIRED = [
     "open checkpoints/latest.tmp",
     "replace checkpoints/latest.tmp -> checkpoints/latest",
     "rmtree checkpoints/step_000001",
-    "open hf_export/config.json",
-    "safetensors hf_export/model.safetensors",
+    "open hf_export.tmp/config.json",
+    "safetensors hf_export.tmp/model.safetensors",
+    "rename hf_export.tmp -> hf_export",
 ]
 
 

@@ -1,0 +1,101 @@
+"""The device-specific branches of the trainer, the engine and the process-group code, run on a
+CPU: each decision a CUDA machine takes (which device a rank uses, where a collective's tensor
+lives, which RNG states a checkpoint carries, which linear kernel the engine uses) is a function
+called here with the inputs a GPU node gives it. tests/README.md ("Device-specific branches")
+lists every branch with its test, and the ones only a GPU can run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minippo.engine._cpu_kernels import onednn_linear_available
+from minippo.parallel import distributed
+from minippo.parallel.distributed import collective_device, placement
+from minippo.training import checkpoint, nan_guard
+from minippo.training.checkpoint import capture_rng_state, restore_rng_state
+from minippo.training.interrupt import StopOnSignal
+
+
+def test_placement_of_each_rank_on_a_gpu_node_and_on_a_cpu():
+    # 4 GPUs: local rank r trains on cuda:r over NCCL
+    assert placement(3, cuda=True, device_count=4) == (torch.device("cuda", 3), "nccl")
+    assert placement(0, cuda=True, device_count=4, backend="gloo") == (
+        torch.device("cuda", 0),
+        "gloo",
+    )
+    with pytest.raises(RuntimeError, match="LOCAL_RANK 4 but only 4 CUDA devices"):
+        placement(4, cuda=True, device_count=4)
+    assert placement(3, cuda=False, device_count=0) == (torch.device("cpu"), "gloo")
+    with pytest.raises(ValueError, match="backend 'nccl' needs CUDA"):
+        placement(0, cuda=False, device_count=0, backend="nccl")
+
+
+@pytest.fixture
+def nccl_group(monkeypatch):
+    """A 2-rank NCCL group as the collectives see it (backend, size, current device 1), with an
+    all_reduce that records the tensors it gets."""
+    reduced: list[torch.Tensor] = []
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None: reduced.append(t))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    return reduced
+
+
+def test_collectives_use_the_current_gpu_under_nccl(nccl_group, monkeypatch):
+    assert collective_device() == torch.device("cuda", 1)
+    assert collective_device(default="cpu") == torch.device("cuda", 1)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    assert collective_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize("site", ["checkpoint", "nan_guard", "interrupt"])
+def test_each_collective_puts_its_tensor_where_collective_device_says(
+    nccl_group, monkeypatch, site
+):
+    """The flags of a checkpoint save, of the non-finite guard and of a signal go through an
+    all-reduce; under NCCL their tensor must be on the GPU. CPU torch has no CUDA tensors, so
+    collective_device stands in with a device of its own choosing (its math is tested above) and
+    the all-reduce checks that it got a tensor there."""
+    chosen = torch.device("cpu")
+    asked: list[torch.device | str] = []
+
+    def where(default="cpu"):
+        asked.append(default)
+        return chosen
+
+    for module in (checkpoint, nan_guard, distributed):
+        monkeypatch.setattr(module, "collective_device", where, raising=False)
+    if site == "checkpoint":
+        assert checkpoint._all_ranks_ok(True)
+    elif site == "nan_guard":
+        assert nan_guard.all_finite(torch.tensor(1.0), 2.0)
+    else:
+        assert not StopOnSignal().requested()
+    assert asked and len(nccl_group) == 1 and nccl_group[0].device == chosen
+
+
+def test_a_checkpoint_carries_and_restores_the_cuda_rng_states(monkeypatch):
+    """On a GPU the RNG state of every CUDA device is saved and restored with the CPU's."""
+    saved = [torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([4, 5], dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: saved)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states))
+    state = capture_rng_state()
+    assert state["cuda"] is saved
+    restore_rng_state(state)
+    assert restored == [saved]
+
+
+def test_the_engine_uses_the_plain_linear_kernel_off_the_cpu():
+    """oneDNN's packed kernel is a CPU kernel: on a GPU (or any other device) the engine runs the
+    model's own linear layers, the reference the packed kernel is checked against
+    (test_engine_torch.py::test_packed_linears_keep_names_and_outputs_and_follow_publishes)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        assert not onednn_linear_available(torch.device("cuda", 0), dtype)

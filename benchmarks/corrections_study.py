@@ -1,5 +1,5 @@
 """The correction study: behaviour-policy corrections under staleness and a train/inference
-discrepancy, on tiny CPU jobs (docs/study.md; the first study: docs/study_v1.md).
+discrepancy, on tiny CPU jobs (docs/study.md).
 
 Every run is the real recipe through the CLI (``minippo run async_ppo --config tiny_cpu``), so
 nothing of the training loop is duplicated here; this script only sets overrides, runs the grid

@@ -398,6 +398,24 @@ def engine_server_args(
     )
 
 
+def check_port_free(port: int, *, base_port: int, local_rank: int) -> None:
+    """Refuse a ``nccl_port`` another process listens on (another engine or job on this machine):
+    SGLang's scheduler would fail to bind it at start, which is fatal to the rank."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # as the scheduler's listener binds it: a closed connection still in TIME_WAIT is free
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise ValueError(
+                f"engine port {port} (nccl_port of local_rank {local_rank}, engine.base_port="
+                f"{base_port}) is in use on this machine ({e.strerror}): another SGLang engine or "
+                "job holds it; set engine.base_port to a free range"
+            ) from None
+
+
 def sglang_sampling_params(params: SamplingParams, *, send_seed: bool) -> dict[str, Any]:
     """SGLang's ``sampling_params`` dict for one request.
 
@@ -710,6 +728,7 @@ class SGLangEngine:
         if local_rank is None:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         port, nccl_port = engine_ports(int(base_port), int(local_rank), int(port_stride))
+        check_port_free(nccl_port, base_port=int(base_port), local_rank=int(local_rank))
         self._config_dir: str | None = None
         if model_path is None:
             model_path = self._config_dir = write_engine_config(model_args)

@@ -90,6 +90,7 @@ from tests.engine_suite import (
 from tests.sglang_api import SERVER_ARG_KEYS
 
 ARGS = qwen3_tiny()
+REAL_PORT_CHECK = backend.check_port_free
 EOS = 63  # the stand-in model's EOS id (config.json "eos_token_id")
 FORCE_STREAM_INTERVAL = 50  # SGLANG_FORCE_STREAM_INTERVAL's default in 0.5.23
 
@@ -637,6 +638,9 @@ def install_stand_in(setattr_) -> None:
     """Point the backend at the stand-in; record the trainer-side CUDA hooks into its log."""
     setattr_(backend, "_load_sglang_api", fake_api)
     setattr_(backend, "FLUSH_RETRY_S", 0.001)
+    # the stand-in binds no port: a real engine of another process on the default ports must not
+    # fail these tests (test_a_port_in_use_is_refused_before_the_engine_starts checks the probe)
+    setattr_(backend, "check_port_free", lambda port, **kw: None)
     FakeEngine.instances.clear()
     FakeSerializer.patched = False
 
@@ -1848,3 +1852,20 @@ def test_the_loop_thread_releases_the_cache_on_its_ranks_gpu(fake, model_path, m
     eng.shutdown()
     on_loop = [device for name, device in released if name.startswith("sglang-engine-loop")]
     assert on_loop == [torch.device("cuda", 2)]
+
+
+def test_a_port_in_use_is_refused_before_the_engine_starts(fake, model_path, monkeypatch):
+    """SGLang's scheduler binds nccl_port at start and dies (fatal to the rank) when another job
+    holds it: the backend probes it first and names the key to change."""
+    import socket
+
+    monkeypatch.setattr(backend, "check_port_free", REAL_PORT_CHECK)  # not the stand-in's no-op
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        nccl_port = held.getsockname()[1]
+        with pytest.raises(ValueError, match=r"engine port \d+ .* is in use.*engine.base_port"):
+            backend.check_port_free(nccl_port, base_port=nccl_port - 1, local_rank=0)
+        with pytest.raises(ValueError, match=r"set engine\.base_port to a free range"):
+            SGLangEngine(model_path, base_port=nccl_port - 1, model_args=ARGS)
+    assert not fake  # nothing was started

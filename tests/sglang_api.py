@@ -80,6 +80,14 @@ SGLANG_API: tuple[ApiUse, ...] = (
     ApiUse("class", "sglang.srt.utils", "MultiprocessingSerializer", note="CUDA IPC payloads"),
     ApiUse(
         "function",
+        _ENGINE,
+        "kill_process_tree",
+        ("parent_pid", "include_parent", "wait_timeout"),
+        note="what Engine.shutdown calls on every child of this process; the backend narrows it "
+        "to the engine's own processes",
+    ),
+    ApiUse(
+        "function",
         "sglang.srt.utils.patch_torch",
         "monkey_patch_torch_reductions",
         note="producer side: IPC handles carry the GPU's UUID, not this process's device index",
@@ -173,8 +181,16 @@ SGLANG_API: tuple[ApiUse, ...] = (
         "literal",
         "sglang.srt.environ",
         "environment",
-        ("SGLANG_RETURN_ORIGINAL_LOGPROB",),
-        note="refused: it would return T = 1 logprobs",
+        ("SGLANG_RETURN_ORIGINAL_LOGPROB", "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"),
+        note="the first refused (T = 1 logprobs); the second set while the engine starts (the "
+        "context it gets is the user's + CONTEXT_SLACK)",
+    ),
+    ApiUse(
+        "literal",
+        "sglang.srt.utils.common",
+        "the CPU switch",
+        ("SGLANG_USE_CPU_ENGINE",),
+        note="set for engine.device=cpu before SGLang is imported",
     ),
     ApiUse(
         "literal",

@@ -94,9 +94,9 @@ Memory modes (``memory_mode``):
 
 Process side effects of SGLang's ``Engine`` (documented in docs/sglang_backend.md): creating it sets
 the multiprocessing start method to ``spawn`` and some NCCL environment variables in this process,
-installs uvloop's event-loop policy, and ``shutdown()`` kills EVERY child process of this process
-(not only SGLang's). Build the engine before starting other child processes (data-loader workers)
-or shut it down only at the very end.
+installs uvloop's event-loop policy, and its ``shutdown()`` kills EVERY child process of this
+process (not only SGLang's): this backend's ``shutdown()`` narrows that kill to the engine's own
+processes (``_stop_engine``).
 """
 
 from __future__ import annotations
@@ -113,9 +113,9 @@ import queue
 import random
 import shutil
 import signal
+import sys
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
@@ -188,7 +188,7 @@ def _load_sglang_api() -> SimpleNamespace:
     methods, keywords and output keys) and tests/unit/test_sglang_api_compat.py checks it against
     the pinned wheel's source and against this module's own calls."""
     try:
-        from sglang.srt.entrypoints.engine import Engine
+        from sglang.srt.entrypoints.engine import Engine, kill_process_tree
         from sglang.srt.managers.io_struct import (
             BeginWeightUpdateReqInput,
             ContinueGenerationReqInput,
@@ -208,6 +208,7 @@ def _load_sglang_api() -> SimpleNamespace:
         ) from e
     return SimpleNamespace(
         Engine=Engine,
+        kill_process_tree=kill_process_tree,
         MultiprocessingSerializer=MultiprocessingSerializer,
         monkey_patch_torch_reductions=monkey_patch_torch_reductions,
         PauseGenerationReqInput=PauseGenerationReqInput,
@@ -787,12 +788,6 @@ class SGLangEngine:
                 "build SGLangEngine outside a running asyncio event loop (the engine's loop runs "
                 "in a thread of its own)"
             )
-        if _child_processes():
-            warnings.warn(
-                "SGLangEngine is being built after other child processes were started; note "
-                "that its shutdown() kills every child process of this process",
-                stacklevel=2,
-            )
 
         self.model_args = model_args
         self.model_path = model_path
@@ -858,7 +853,7 @@ class SGLangEngine:
         self._tm = self._engine.tokenizer_manager
         self._loop: asyncio.AbstractEventLoop = self._engine.loop
         if self._loop.is_running():
-            self._engine.shutdown()
+            self._stop_engine()
             raise RuntimeError("the SGLang engine's event loop is already running elsewhere")
         self._thread = threading.Thread(
             target=self._run_loop, name=f"sglang-engine-loop-{self.local_rank}", daemon=True
@@ -1127,10 +1122,11 @@ class SGLangEngine:
             self._call(self._wake_async(), "wake")
 
     def shutdown(self) -> None:
-        """Abort what is in flight, stop the loop thread and the engine. Idempotent.
+        """Abort what is in flight, stop the loop thread and the engine's processes. Idempotent.
 
-        SGLang's ``Engine.shutdown`` kills EVERY child process of this process. The SIGQUIT handler
-        that was in place before the engine was built is restored.
+        Only the engine's own processes end (SGLang's ``Engine.shutdown`` alone would kill every
+        child process of this process: see :meth:`_stop_engine`). The SIGQUIT handler that was in
+        place before the engine was built is restored.
         """
         with self._control:
             if self._closed:
@@ -1144,7 +1140,7 @@ class SGLangEngine:
                     self._loop.call_soon_threadsafe(self._loop.stop)
                     self._thread.join(timeout=30.0)
                 try:
-                    self._engine.shutdown()
+                    self._stop_engine()
                 finally:
                     unregister_engine(self)
                     if self._config_dir is not None:
@@ -1153,6 +1149,37 @@ class SGLangEngine:
                         threading.current_thread() is threading.main_thread()
                     ):
                         signal.signal(signal.SIGQUIT, self._old_sigquit)
+
+    def _stop_engine(self) -> None:
+        """``Engine.shutdown()``, with its process kill narrowed to the engine's own processes.
+
+        SGLang 0.5.23's shutdown ends with ``kill_process_tree(os.getpid(), include_parent=False)``:
+        a SIGKILL of every child process of this process, not only its scheduler and detokenizer:
+        data-loader workers, multiprocessing's resource tracker (whose death makes Python print a
+        traceback at exit), a TorchEngine. For that one call the module's ``kill_process_tree``
+        kills each process the engine started (and what they started) instead, with SGLang's own
+        function, and waits until they are reaped."""
+        module = sys.modules.get(type(self._engine).__module__)
+        everything = getattr(self._api, "kill_process_tree", None)
+        if everything is None or getattr(module, "kill_process_tree", None) is not everything:
+            self._engine.shutdown()  # an engine that kills nothing of ours (tests' stand-ins)
+            return
+
+        def engine_only(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
+            if parent_pid != os.getpid() or include_parent:  # not the blanket kill: as it was
+                return everything(parent_pid, include_parent, skip_pid, wait_timeout)
+            for proc in self._engine_procs:
+                if proc.is_alive():
+                    self._api.kill_process_tree(
+                        parent_pid=proc.pid, include_parent=True, wait_timeout=wait_timeout
+                    )
+            return None
+
+        module.kill_process_tree = engine_only
+        try:
+            self._engine.shutdown()
+        finally:
+            module.kill_process_tree = everything
 
     def __enter__(self) -> SGLangEngine:
         return self

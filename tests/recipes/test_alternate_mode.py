@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent(
 
         tokenizer.TinyTokenizer.__init__ = init
         main = runpy.run_path(sys.argv[1])["recipe_main"]
-        main(load_config("tiny_cpu", json.loads(sys.argv[2])))
+        main(load_config(sys.argv[3] if len(sys.argv) > 3 else "tiny_cpu", json.loads(sys.argv[2])))
     """
 )
 

@@ -188,7 +188,7 @@ DEATH_SCRIPT = textwrap.dedent(
     def main():
         eng = SGLangEngine(None, model_args=qwen3_tiny(), device="cpu", dtype="float32",
                            base_port=int(sys.argv[1]))
-        children = [p.pid for p in psutil.Process().children(recursive=True)]
+        children = [p.pid for p in eng._engine_procs]  # its scheduler and detokenizer
         try:  # SGLang's memory release calls torch.cuda.synchronize: fatal in its scheduler
             eng._call(eng._tm.release_memory_occupation(
                 obj=eng._api.ReleaseMemoryOccupationReqInput(tags=None), request=None), "sleep")
@@ -215,7 +215,8 @@ DEATH_SCRIPT = textwrap.dedent(
 def test_an_engine_death_is_one_line_and_leaves_no_process(tmp_path):
     """A scheduler that dies (here: SGLang's memory release, which calls CUDA) makes the call in
     progress raise SGLangEngineDied, prints one line naming the rank and the call, refuses every
-    later call, and shutdown leaves none of the engine's processes behind."""
+    later call, and shutdown leaves none of the engine's processes (scheduler, detokenizer)
+    behind."""
     script = tmp_path / "death.py"
     script.write_text(DEATH_SCRIPT)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -254,3 +255,46 @@ def test_what_only_a_gpu_can_show(feature, reason):
 def test_sleep_mode_is_refused_on_the_cpu(model_path):
     with pytest.raises(ValueError, match="memory_mode=sleep needs device=cuda"):
         SGLangEngine(model_path, device="cpu", memory_mode="sleep", model_args=ARGS)
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _sleep_forever() -> None:
+    import time
+
+    time.sleep(600)
+
+
+def test_shutdown_ends_only_the_engines_processes(model_path):
+    """SGLang's Engine.shutdown would SIGKILL every child of this process; the backend ends only
+    the engine's own: a worker started before the engine, and multiprocessing's resource tracker
+    (whose death makes Python print a traceback at exit), outlive it."""
+    import multiprocessing
+    from multiprocessing import resource_tracker
+
+    ctx = multiprocessing.get_context("spawn")
+    ctx.Lock()  # a semaphore: the resource tracker runs from here on
+    tracker = resource_tracker._resource_tracker._pid
+    bystander = ctx.Process(target=_sleep_forever, daemon=True)
+    bystander.start()
+    try:
+        eng = SGLangEngine(
+            model_path, device="cpu", dtype="float32", model_args=ARGS,
+            base_port=next_base_port(),
+        )  # fmt: skip
+        engine_pids = [p.pid for p in eng._engine_procs]  # its scheduler and detokenizer
+        assert engine_pids and all(_running(pid) for pid in engine_pids)
+        eng.shutdown()
+        assert not any(_running(pid) for pid in engine_pids)
+        assert bystander.is_alive(), "the engine's shutdown killed a process it did not start"
+        os.kill(tracker, 0)  # raises if the resource tracker was killed
+    finally:
+        bystander.kill()
+        bystander.join(30)

@@ -19,6 +19,7 @@ from minippo.engine.sglang_engine import serialize_bucket, sglang_sampling_param
 from minippo.models import Transformer, init_weights
 from minippo.parallel import full_tensor_buckets
 from tests.sglang_cpu.conftest import ARGS
+from tests.sglang_pieces import STRUCTS
 
 pytestmark = pytest.mark.sglang_cpu
 
@@ -153,20 +154,8 @@ def test_the_backend_builds_sglangs_own_request_structs():
             structs, MultiprocessingSerializer)), flush=True)
         """
     )
-    io = "sglang.srt.managers.io_struct."
-    assert set(got["structs"]) == {
-        io + name
-        for name in (
-            "PauseGenerationReqInput",
-            "ContinueGenerationReqInput",
-            "BeginWeightUpdateReqInput",
-            "EndWeightUpdateReqInput",
-            "UpdateWeightsFromTensorReqInput",
-            "UpdateWeightVersionReqInput",
-            "ReleaseMemoryOccupationReqInput",
-            "ResumeMemoryOccupationReqInput",
-        )
-    }
+    built = {n for n in STRUCTS if n.endswith("ReqInput")}  # BaseReq, FlushCacheReqOutput: not
+    assert set(got["structs"]) == {f"sglang.srt.managers.io_struct.{n}" for n in built}
     assert got["versions"] == [[0] * 4, [2] * 4]
     assert got["weights_bit_exact"]
     assert got["calls"].count("begin_weight_update") == 3

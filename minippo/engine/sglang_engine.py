@@ -102,6 +102,7 @@ processes (``_stop_engine``).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import dataclasses
 import functools
@@ -1153,12 +1154,15 @@ class SGLangEngine:
     def _stop_engine(self) -> None:
         """``Engine.shutdown()``, with its process kill narrowed to the engine's own processes.
 
-        SGLang 0.5.23's shutdown ends with ``kill_process_tree(os.getpid(), include_parent=False)``:
+        SGLang 0.5.23's shutdown (also registered to run at interpreter exit: that registration is
+        removed) ends with ``kill_process_tree(os.getpid(), include_parent=False)``:
         a SIGKILL of every child process of this process, not only its scheduler and detokenizer:
         data-loader workers, multiprocessing's resource tracker (whose death makes Python print a
         traceback at exit), a TorchEngine. For that one call the module's ``kill_process_tree``
         kills each process the engine started (and what they started) instead, with SGLang's own
         function, and waits until they are reaped."""
+        # SGLang registers the same shutdown at interpreter exit, where it would kill everything
+        atexit.unregister(self._engine.shutdown)
         module = sys.modules.get(type(self._engine).__module__)
         everything = getattr(self._api, "kill_process_tree", None)
         if everything is None or getattr(module, "kill_process_tree", None) is not everything:

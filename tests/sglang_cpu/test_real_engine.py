@@ -8,6 +8,7 @@ schedule) driving the real engine with partial rollouts.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -229,7 +230,7 @@ def test_an_engine_death_is_one_line_and_leaves_no_process(tmp_path):
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = __import__("json").loads(lines[-1].removeprefix("RESULT "))
+    result = json.loads(lines[-1].removeprefix("RESULT "))
     assert result["died"] == "SGLangEngineDied" and result["refused"]
     assert result["children"] and not result["alive"], result
     ours = [line for line in proc.stderr.splitlines() if line.startswith("[minippo]")]
@@ -257,44 +258,63 @@ def test_sleep_mode_is_refused_on_the_cpu(model_path):
         SGLangEngine(model_path, device="cpu", memory_mode="sleep", model_args=ARGS)
 
 
-def _running(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _sleep_forever() -> None:
-    import time
-
-    time.sleep(600)
-
-
-def test_shutdown_ends_only_the_engines_processes(model_path):
-    """SGLang's Engine.shutdown would SIGKILL every child of this process; the backend ends only
-    the engine's own: a worker started before the engine, and multiprocessing's resource tracker
-    (whose death makes Python print a traceback at exit), outlive it."""
-    import multiprocessing
+SHUTDOWN_SCRIPT = textwrap.dedent(
+    """
+    import json, multiprocessing, os, sys, time
     from multiprocessing import resource_tracker
+    import psutil
+    from minippo.engine.sglang_engine import SGLangEngine
+    from minippo.models import qwen3_tiny
 
-    ctx = multiprocessing.get_context("spawn")
-    ctx.Lock()  # a semaphore: the resource tracker runs from here on
-    tracker = resource_tracker._resource_tracker._pid
-    bystander = ctx.Process(target=_sleep_forever, daemon=True)
-    bystander.start()
-    try:
-        eng = SGLangEngine(
-            model_path, device="cpu", dtype="float32", model_args=ARGS,
-            base_port=next_base_port(),
-        )  # fmt: skip
+    def running(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def main():
+        ctx = multiprocessing.get_context("spawn")
+        ctx.Lock()  # a semaphore: the resource tracker runs from here on
+        tracker = resource_tracker._resource_tracker._pid
+        bystander = ctx.Process(target=time.sleep, args=(600,), daemon=True)
+        bystander.start()
+        eng = SGLangEngine(None, model_args=qwen3_tiny(), device="cpu", dtype="float32",
+                           base_port=int(sys.argv[1]))
         engine_pids = [p.pid for p in eng._engine_procs]  # its scheduler and detokenizer
-        assert engine_pids and all(_running(pid) for pid in engine_pids)
+        before = [running(pid) for pid in engine_pids]
         eng.shutdown()
-        assert not any(_running(pid) for pid in engine_pids)
-        assert bystander.is_alive(), "the engine's shutdown killed a process it did not start"
-        os.kill(tracker, 0)  # raises if the resource tracker was killed
-    finally:
+        print("RESULT " + json.dumps({
+            "engine": engine_pids, "before": before,
+            "after": [running(pid) for pid in engine_pids],
+            "bystander": bystander.is_alive(), "tracker": running(tracker)}), flush=True)
         bystander.kill()
         bystander.join(30)
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def test_shutdown_ends_only_the_engines_processes(tmp_path):
+    """SGLang's Engine.shutdown (also run at interpreter exit) would SIGKILL every child of this
+    process; the backend ends only the engine's own: a worker started before the engine and
+    multiprocessing's resource tracker outlive it, and the process exits without the traceback
+    that a killed resource tracker makes Python print. (A process of its own: one SGLang engine
+    per process, and the module's engine is alive.)"""
+    script = tmp_path / "shutdown.py"
+    script.write_text(SHUTDOWN_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(next_base_port())],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(lines[-1].removeprefix("RESULT "))
+    assert got["engine"] and all(got["before"]) and not any(got["after"]), got
+    assert got["bystander"], "the engine's shutdown killed a process it did not start"
+    assert got["tracker"], "the engine's shutdown killed multiprocessing's resource tracker"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -30,6 +30,7 @@ def _run(code: str) -> dict:
     """``code`` in a fresh interpreter (SGLang's patches are process-wide); its RESULT line."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
+    env.pop("SGLANG_USE_CPU_ENGINE", None)  # set here by the CPU engines of earlier tests
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         cwd=ROOT,

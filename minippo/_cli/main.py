@@ -328,12 +328,9 @@ def _run(argv: list[str]) -> int:
         largs = launcher.parse_args(argv)
     except SystemExit as e:  # argparse already printed the problem
         return int(e.code or 2)
-    defaults = vars(get_args_parser().parse_args(["x"]))
-    distributed = any(
-        v != defaults[k]
-        for k, v in vars(largs).items()
-        if k not in ("training_script", "training_script_args")
-    )
+    # any launcher flag before the recipe launches torchrun, also one equal to torchrun's default
+    # (`--nproc-per-node 1`: a one-rank process group, which bf16 FSDP2 needs)
+    distributed = len(argv) - len(largs.training_script_args) - 1 > 0
 
     recipe_path = _recipe_path(largs.training_script)
     rest = list(largs.training_script_args)

@@ -41,6 +41,11 @@ RECIPES: tuple[Recipe, ...] = (
                 nproc_per_node=1,
             ),
             Config(
+                name="qwen3_0_6b_synthetic_1gpu",
+                file_path="qwen3_0_6b_synthetic_1gpu.yaml",
+                nproc_per_node=1,
+            ),
+            Config(
                 name="qwen3_4b_dapo_math_8gpu",
                 file_path="qwen3_4b_dapo_math_8gpu.yaml",
                 nproc_per_node=8,

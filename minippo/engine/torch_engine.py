@@ -104,6 +104,32 @@ def decode_logits(
     return model.output(h[:, -1])
 
 
+CUDA_MEMORY_KEYS = (
+    "cuda_allocated_bytes",
+    "cuda_reserved_bytes",
+    "cuda_peak_allocated_bytes",
+    "cuda_peak_reserved_bytes",
+)
+
+
+def _cuda_memory(device: torch.device) -> dict[str, int | None]:
+    """The engine process's CUDA caching-allocator figures (bytes) on ``device``: allocated and
+    reserved now, and their peaks since the engine last woke (or started); None off CUDA."""
+    if device.type != "cuda":
+        return dict.fromkeys(CUDA_MEMORY_KEYS)
+    return dict(
+        zip(
+            CUDA_MEMORY_KEYS,
+            (
+                torch.cuda.memory_allocated(device),
+                torch.cuda.memory_reserved(device),
+                torch.cuda.max_memory_allocated(device),
+                torch.cuda.max_memory_reserved(device),
+            ),
+        )
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # The serving loop (runs in the child process, or in a thread with in_process=True)
 
@@ -232,6 +258,7 @@ class _Server:
                 "linear_kernel": self.linear_kernel,
                 "compiled": self.compile,
                 "onednn_cache_capacity": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
+                **_cuda_memory(self.device),
             },
             "sleep": lambda call_id, _: self._sleep_wake("sleep"),
             "wake": lambda call_id, _: self._sleep_wake("wake"),
@@ -405,6 +432,7 @@ class _Server:
                 torch.cuda.empty_cache()
         elif kind == "wake" and self.asleep:
             if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)  # stats(): peaks while awake
                 self.model.to(self.device)
             for layer in self.packed:
                 layer.repack()
@@ -997,7 +1025,12 @@ class TorchEngine:
         ``linear_kernel``: ``"onednn_packed"`` (CPU, float32 / bfloat16, weights packed once per
         publish) or ``"torch"`` (the model's own ``nn.Linear`` layers); ``compiled``: the
         ``compile`` option; ``onednn_cache_capacity``: the kernel caches' capacity as the
-        engine process set it (its environment's value in-process, None if unset)."""
+        engine process set it (its environment's value in-process, None if unset);
+        ``cuda_allocated_bytes`` / ``cuda_reserved_bytes`` (now) and ``cuda_peak_allocated_bytes``
+        / ``cuda_peak_reserved_bytes`` (since the last ``wake``, or the start): the engine
+        process's CUDA caching allocator on a CUDA device (after ``sleep`` both "now" figures
+        should be about 0), None elsewhere. In-process these are the whole process's figures,
+        and a wake resets the process's peaks."""
         return self._call("stats", None)
 
     def shutdown(self) -> None:

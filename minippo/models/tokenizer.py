@@ -45,7 +45,7 @@ _TINY_CHARS = "0123456789" + " +-*=()" + "abcdefghijklmnopqrstuvwxyz" + "?.,:\n"
 class TinyTokenizer:
     r"""Character-level tokenizer for toy tasks (arithmetic, short words); fits ``qwen3_tiny()``.
 
-    Vocabulary (51 ids, plus ``extra_tokens``):
+    Vocabulary (51 ids, plus ``extra_tokens``, plus reserved ids up to ``vocab_size``):
         0 ``<pad>``, 1 ``<bos>``, 2 ``<eos>``,
         3-12 digits ``0``-``9``, 13-19 `` +-*=()`` (space first),
         20-45 lowercase ``a``-``z``, 46-50 ``?`` ``.`` ``,`` ``:`` and newline,
@@ -61,9 +61,14 @@ class TinyTokenizer:
             characters (``"\boxed{"``, so that a randomly initialised model can sample the answer
             format of math rewards as one token). The 51 ids above never change; ``vocab_size``
             grows by ``len(extra_tokens)``.
+        vocab_size: None (the ids above only), or a larger total: the ids past the tokens are
+            reserved ids that no text encodes to and that decode to nothing, as an HF tokenizer
+            decodes an id it has no token for (Qwen3's embedding has 151,936 rows for 151,669
+            tokens). For a randomly initialised model of a real vocabulary size on a toy task
+            (``vocab_size: 151936``): its lm_head, logits and publishes have their real sizes.
     """
 
-    def __init__(self, extra_tokens: Sequence[str] = ()) -> None:
+    def __init__(self, extra_tokens: Sequence[str] = (), vocab_size: int | None = None) -> None:
         if isinstance(extra_tokens, str):
             raise ValueError(
                 f"tokenizer.extra_tokens must be a list of strings, got the string {extra_tokens!r}; "
@@ -83,6 +88,14 @@ class TinyTokenizer:
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
         self.eos_ids = (self.eos_id,)
         self.vocab_size = len(self.itos)
+        if vocab_size is not None:
+            integer = isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
+            if not integer or vocab_size < len(self.itos):
+                raise ValueError(
+                    f"tokenizer.vocab_size must be null or an integer >= {len(self.itos)} (the "
+                    f"tokens: 51 + {len(extra)} extra_tokens), got {vocab_size!r}"
+                )
+            self.vocab_size = vocab_size  # ids past len(itos): reserved, decode to nothing
         self._merges = sorted((t for t in extra if len(t) > 1), key=len, reverse=True)
 
     def encode(self, text: str) -> list[int]:
@@ -115,8 +128,8 @@ class TinyTokenizer:
                 raise ValueError(
                     f"token id {i} is outside TinyTokenizer's vocab [0, {self.vocab_size})"
                 )
-            if skip_special_tokens and i < len(_TINY_SPECIALS):
-                continue
+            if (skip_special_tokens and i < len(_TINY_SPECIALS)) or i >= len(self.itos):
+                continue  # a reserved id (past the tokens) has no text
             out.append(self.itos[i])
         return "".join(out)
 

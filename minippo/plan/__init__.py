@@ -34,11 +34,13 @@ from minippo.plan.formula import (
     MemoryPlan,
     PlanInputs,
     PlanItem,
+    TorchEngineShape,
     activation_bytes,
     block_saved_bytes_per_token,
     model_param_shapes,
     plan_memory,
     scoring_bytes,
+    torch_engine_bytes,
 )
 from minippo.plan.gpu_sharing import sglang_on_gpu, shared_gpu_problems, trainer_memory_fraction
 from minippo.plan.measured import MeasuredPeak, measure_from_config, measure_step
@@ -51,6 +53,7 @@ __all__ = [
     "MemoryPlan",
     "PlanInputs",
     "PlanItem",
+    "TorchEngineShape",
     "activation_bytes",
     "block_saved_bytes_per_token",
     "correction_cost",
@@ -65,5 +68,6 @@ __all__ = [
     "scoring_bytes",
     "sglang_on_gpu",
     "shared_gpu_problems",
+    "torch_engine_bytes",
     "trainer_memory_fraction",
 ]

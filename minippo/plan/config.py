@@ -9,7 +9,8 @@ Each input is read from the one config key the recipe reads (``ppo.micro_batch_s
                            and ``scoring_passes(...)`` with the node's options (the class fills
                            its own defaults); an absent node is NoCorrection, as in the recipe
     engine                 options the node omits (mem_fraction_static, memory_mode,
-                           weights_cpu_backup) take the engine class's signature defaults
+                           weights_cpu_backup; TorchEngine's device, dtype, max_batch_size,
+                           in_process) take the engine class's signature defaults
     rollout mode           rollout.mode (absent: "overlap", the recipe's default) decides whether
                            the engine's share is alive while the trainer trains;
                            rollout.offload_trainer (absent: false) only counts in alternate mode
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from minippo.plan.formula import (
     GiB,
     MemoryPlan,
     PlanInputs,
+    TorchEngineShape,
     plan_memory,
 )
 from minippo.rl.advantages import needs_critic
@@ -279,13 +282,29 @@ def engine_options(cfg: DictConfig) -> tuple[type | None, dict[str, Any]]:
     cls = locate(str(node._component_), "engine._component_")
     params = inspect.signature(cls).parameters
     out = {}
-    for name in ("mem_fraction_static", "memory_mode", "weights_cpu_backup"):
+    names = ("mem_fraction_static", "memory_mode", "weights_cpu_backup", "device", "dtype")
+    for name in (*names, "max_batch_size", "in_process"):
         value = node.get(name)
         if value is None and name in params:
             value = params[name].default
         if value is not None and value is not inspect.Parameter.empty:
             out[name] = value
     return cls, out
+
+
+def _is_torch_engine(cls: type | None) -> bool:
+    from minippo.engine.torch_engine import TorchEngine
+
+    return isinstance(cls, type) and issubclass(cls, TorchEngine)
+
+
+def _rows_in_flight(cfg: DictConfig, ranks: int) -> int:
+    """Sequences one rank's engine generates at once: ``groups_per_batch / ranks`` groups (in
+    alternate mode ``ceil(... x rollout.oversample)``) of ``samples_per_prompt`` each."""
+    groups = int(_select(cfg, "rollout.groups_per_batch")) // ranks
+    if rollout_mode(cfg) == "alternate":  # as AlternatingQueue.in_flight
+        groups = math.ceil(groups * float(_select(cfg, "rollout.oversample", 1.0)) - 1e-9)
+    return max(1, groups * int(_select(cfg, "rollout.samples_per_prompt")))
 
 
 def rollout_mode(cfg: DictConfig) -> str:
@@ -324,9 +343,12 @@ def plan_inputs_from_config(
     if needs_critic(str(_select(cfg, "advantage_estimator"))):
         cpath = _select(cfg, "critic.checkpoint_path", None)
         critic = _args_from_hf_folder(cpath, "critic.checkpoint_path") if cpath else actor
-    _, engine = engine_options(cfg)
+    engine_cls, engine = engine_options(cfg)
+    torch_engine_on_gpu = _is_torch_engine(engine_cls) and str(
+        engine.get("device", "cpu")
+    ).startswith("cuda")
     if device is None:
-        device = "cuda" if "mem_fraction_static" in engine else "cpu"
+        device = "cuda" if "mem_fraction_static" in engine or torch_engine_on_gpu else "cpu"
     if device not in ("cuda", "cpu"):
         raise ConfigError(f"memory plan: device={device!r} must be cuda or cpu")
     if world_size < 1:
@@ -346,6 +368,15 @@ def plan_inputs_from_config(
     if device == "cuda":
         gpu = int((gpu_mem_gib if gpu_mem_gib is not None else DEFAULT_GPU_MEM_GIB) * GiB)
     fraction = engine.get("mem_fraction_static") if device == "cuda" else None
+    torch_engine = None
+    if device == "cuda" and torch_engine_on_gpu:
+        torch_engine = TorchEngineShape(
+            rows=min(int(engine.get("max_batch_size", 256)), _rows_in_flight(cfg, ranks)),
+            prompt_len=_prompt_len(cfg),
+            max_new_tokens=response,
+            dtype_bytes=dtype_bytes(str(engine.get("dtype", "fp32")), "engine.dtype"),
+            own_process=not engine.get("in_process", False),
+        )
     micro_batch = _micro_batch_rows(cfg, ranks)
     score_rows = _score_rows(cfg, ranks)
     step = None  # what one training step runs, for the bytes it sends across nodes
@@ -378,6 +409,7 @@ def plan_inputs_from_config(
         ),
         score_rows=score_rows,
         engine_mem_fraction=None if fraction is None else float(fraction),
+        torch_engine=torch_engine,
         rollout_mode=rollout_mode(cfg),
         offload_trainer=bool(_select(cfg, "rollout.offload_trainer", False)),
         engine_weights_host_copy=bool(engine.get("weights_cpu_backup", False)),

@@ -24,7 +24,10 @@ bytes; T = micro_batch · seq_len tokens, R = micro_batch · response_len scored
                           or in host memory ("cpu")
     no-grad passes        reference logprobs / critic values / correction anchors before the updates:
                           one forward's working set (``scoring_bytes``) over score_rows sequences
-    engine                engine.mem_fraction_static · GPU memory (SGLang's static pool: weights + KV)
+    engine                engine.mem_fraction_static · GPU memory (SGLang's static pool: weights + KV);
+                          TorchEngine on the GPU (``engine.device: cuda``): its weights in its dtype
+                          + the KV cache of one wave + the larger of the prefill's and one decode
+                          step's working set (``torch_engine_bytes``)
     CUDA context          1 GiB reserved for the CUDA context and allocator slack (GPU only)
 
 Actor and critic run their backward passes one after the other, so only the larger of their
@@ -70,11 +73,13 @@ __all__ = [
     "MemoryPlan",
     "PlanInputs",
     "PlanItem",
+    "TorchEngineShape",
     "activation_bytes",
     "block_saved_bytes_per_token",
     "model_param_shapes",
     "plan_memory",
     "scoring_bytes",
+    "torch_engine_bytes",
 ]
 
 GiB = 1 << 30
@@ -262,6 +267,60 @@ class CorrectionCost:
         return device, host
 
 
+@dataclass(frozen=True)
+class TorchEngineShape:
+    """What a TorchEngine on the GPU holds depends on (read from the config by
+    :func:`~minippo.plan.plan_from_config`).
+
+    Fields:
+        rows:           sequences decoded together in one wave: ``engine.max_batch_size``, or
+                        fewer when a rank has fewer rows in flight
+        prompt_len:     the longest prompt (a wave's prompts are left-padded to it)
+        max_new_tokens: ``rollout.max_new_tokens``
+        dtype_bytes:    bytes per element of ``engine.dtype`` (weights, activations, KV cache)
+        own_process:    the engine runs in its own process (``engine.in_process: false``), which
+                        keeps its own CUDA context, asleep too (not counted)
+    """
+
+    rows: int
+    prompt_len: int
+    max_new_tokens: int
+    dtype_bytes: int
+    own_process: bool = True
+
+
+def torch_engine_bytes(args: Any, shape: TorchEngineShape) -> dict[str, int]:
+    """Device bytes of TorchEngine while it generates (``minippo.engine.torch_engine``), by part:
+
+        weights   every distinct parameter (a tied lm_head once) · e          (e = dtype bytes)
+        kv_cache  rows · L · 2 · H_kv · hd · (prompt_len + max_new_tokens) · e  (preallocated for
+                  the whole wave)
+        working   the larger of
+                  prefill: one no-grad forward over rows · prompt_len tokens without the lm_head
+                  (:func:`scoring_bytes`), and the last position's logits rows · V · e;
+                  decode step: the logits rows · V · e, their fp32 copy and the sampler's fp32
+                  exponentials, rows · V · (e + 8)
+    Not counted: the copy of the cache that dropping finished rows makes (``KVCache.keep``:
+    up to the rows still running, while the old cache is alive), and the process's CUDA context.
+    """
+    e, rows, V = shape.dtype_bytes, shape.rows, args.vocab_size
+    weights = _numel(model_param_shapes(args)) * e
+    seq = shape.prompt_len + shape.max_new_tokens
+    kv = rows * args.n_layers * 2 * args.n_kv_heads * args.head_dim * seq * e
+    prefill = scoring_bytes(
+        args,
+        rows=rows,
+        seq_len=max(shape.prompt_len, 1),
+        response_len=1,
+        compute_bytes=e,
+        logits_chunk=rows,
+        lm_head=False,
+    )
+    prefill += rows * V * e
+    decode = rows * V * (e + 8)
+    return {"weights": weights, "kv_cache": kv, "working": max(prefill, decode)}
+
+
 @dataclass
 class PlanInputs:
     """Everything the plan depends on (read from a run config by :func:`plan_from_config`).
@@ -279,6 +338,8 @@ class PlanInputs:
         correction:              :class:`CorrectionCost` of the correction class
         score_rows:              sequences per forward of the no-grad passes (None: micro_batch)
         engine_mem_fraction:     fraction of GPU memory the engine takes (GPU only)
+        torch_engine:            :class:`TorchEngineShape` of a TorchEngine on the GPU (None:
+                                 no such engine)
         rollout_mode:            "overlap" (the engine generates while the trainer trains) or
                                  "alternate" (they take turns; the engine releases its memory
                                  while the trainer trains): see the module docstring
@@ -313,6 +374,7 @@ class PlanInputs:
     correction: CorrectionCost
     score_rows: int | None = None
     engine_mem_fraction: float | None = None
+    torch_engine: TorchEngineShape | None = None
     rollout_mode: str = "overlap"
     offload_trainer: bool = False
     engine_weights_host_copy: bool = False
@@ -838,21 +900,34 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
     plan.items.append(_correction_item(x, P))
     plan.items.append(_scoring_item(x))
     if x.device == "cuda":
+        if x.rollout_mode not in ROLLOUT_MODES:
+            raise ValueError(f"rollout_mode ({x.rollout_mode!r}) must be one of {ROLLOUT_MODES}")
+        alternate = x.rollout_mode == "alternate"
+        mode = "released while the trainer trains" if alternate else "generates while it trains"
         if x.engine_mem_fraction:
             gpu = x.gpu_mem_bytes or 0
             host = _numel(actor_shapes) * 2 if x.engine_weights_host_copy else 0
-            if x.rollout_mode not in ROLLOUT_MODES:
-                raise ValueError(
-                    f"rollout_mode ({x.rollout_mode!r}) must be one of {ROLLOUT_MODES}"
-                )
-            alternate = x.rollout_mode == "alternate"
-            mode = "released while the trainer trains" if alternate else "generates while it trains"
             plan.items.append(
                 PlanItem(
                     "engine (mem_fraction)",
                     int(x.engine_mem_fraction * gpu),
                     host,
                     note=f"{x.engine_mem_fraction} x GPU: weights + KV cache; {mode}",
+                    at_peak=not alternate,
+                )
+            )
+        elif x.torch_engine is not None:
+            t = x.torch_engine
+            parts = torch_engine_bytes(x.actor, t)
+            released = "moved to the host" if alternate else "generates while it trains"
+            plan.items.append(
+                PlanItem(
+                    "engine (TorchEngine)",
+                    sum(parts.values()),
+                    note=f"weights {_size(parts['weights'])} + KV cache {_size(parts['kv_cache'])}"
+                    f" ({t.rows} rows x {t.prompt_len + t.max_new_tokens} tokens) + working "
+                    f"{_size(parts['working'])}; {released}"
+                    + ("; its process's CUDA context not counted" if t.own_process else ""),
                     at_peak=not alternate,
                 )
             )

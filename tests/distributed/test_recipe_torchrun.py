@@ -36,3 +36,25 @@ def test_two_process_torchrun_run(tmp_path):
     ckpt = out / "checkpoints" / "step_000002"
     assert (ckpt / "extra_rank0.pt").is_file() and (ckpt / "extra_rank1.pt").is_file()
     assert (out / "hf_export" / "model.safetensors").is_file()  # gathered from both ranks
+
+
+def test_nproc_per_node_1_launches_a_one_rank_process_group(tmp_path):
+    """`minippo run --nproc-per-node 1` (torchrun's default value, given explicitly) starts one
+    rank under torchrun: a process group, so dtype=bf16 (FSDP2 mixed precision, which a plain
+    process refuses) trains; the 1-GPU configs are launched this way."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PET_MASTER_PORT"] = str(free_port())  # torchrun's --master-port default, not a flag
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "minippo._cli.main", "run", "--nproc-per-node", "1",
+            "async_ppo", "--config", "tiny_cpu", "dtype=bf16",
+            "total_steps=1", f"output_dir={out}", "rollout.groups_per_batch=8",
+            "ppo.minibatches=2", "progress_bar=false", "engine.in_process=true",
+            "checkpoint.export_hf=false",
+        ],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0] and math.isfinite(rows[0]["train/policy_loss"])

@@ -1,7 +1,9 @@
-"""scripts/gpu_rehearsal.py --dry-run: the GPU rehearsal's code path on CPU (small shapes, gloo).
+"""scripts/gpu_rehearsal.py --dry-run, the checks of the SGLang backend's pieces (publish through
+SGLang's unpickler, TorchEngine logprobs, EWMA, torchrun's agent store) on CPU (small shapes, gloo).
 
 Marker ``network``: SGLang's SafeUnpickler comes from the pinned wheel (downloaded once by pip;
-skipped with pip's reason when offline). The real run needs one CUDA GPU (tests/gpu).
+skipped with pip's reason when offline). The recipe and tiny checks: test_gpu_rehearsal_recipe.py.
+The real run needs one CUDA GPU (tests/gpu).
 """
 
 from __future__ import annotations
@@ -33,17 +35,22 @@ def dry_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("rehearsal") / "dry.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_rehearsal.py"), "--dry-run", "--out", str(out)],
+        [
+            sys.executable, str(ROOT / "scripts" / "gpu_rehearsal.py"), "--dry-run", "--out",
+            str(out), "--only", "publish,torch_engine,ewma,agent_store",
+        ],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "rehearsal OK" in proc.stdout
+    assert "GPU path: OK" in proc.stdout
     return json.loads(out.read_text())
 
 
 def test_dry_run_writes_every_figure(dry_run):
     assert dry_run["ok"] and dry_run["dry_run"] and dry_run["device"] == "cpu"
     assert set(dry_run) >= {"agent_store", "publish", "torch_engine", "ewma", "wall_s"}
+    for name in ("agent_store", "publish", "torch_engine", "ewma"):
+        assert dry_run[name]["status"] == "passed", name
 
 
 def test_scheduler_child_under_torchrun_joins_its_group(dry_run):
@@ -59,7 +66,7 @@ def test_scheduler_child_under_torchrun_joins_its_group(dry_run):
 
 
 def test_publish_is_bit_exact_through_sglangs_unpickler(dry_run):
-    shapes = dry_run["publish"]
+    shapes = dry_run["publish"]["shapes"]
     assert set(shapes) == {"qwen3_0_6b_dry", "qwen3_1_7b_dry"}
     for r in shapes.values():
         assert r["bit_exact"] and r["all_weights_published"] and not r["mismatched_buckets"]

@@ -42,6 +42,22 @@ def test_tiny_tokenizer_round_trip_and_vocab():
     assert tok.apply_chat_template([{"role": "user", "content": "1+1="}]) == "1+1=\n"
 
 
+def test_tiny_tokenizer_reserved_ids_up_to_vocab_size():
+    """vocab_size pads the vocabulary with reserved ids (a real model's embedding padding): the
+    tokens keep their ids, a reserved id decodes to nothing (as the tokenizers library decodes
+    an id without a token), an id past vocab_size is still refused."""
+    tok = TinyTokenizer(extra_tokens=["}"], vocab_size=151_936)
+    plain = TinyTokenizer(extra_tokens=["}"])
+    assert tok.vocab_size == 151_936 and plain.vocab_size == 52
+    assert tok.encode("3012=}") == plain.encode("3012=}")
+    assert tok.decode([6, 51, 52, 151_935, 3]) == "3}0"  # 52 and 151,935 are reserved
+    with pytest.raises(ValueError, match="outside"):
+        tok.decode([151_936])
+    for bad in (51, 10.0, True):
+        with pytest.raises(ValueError, match=r"tokenizer\.vocab_size"):
+            TinyTokenizer(extra_tokens=["}"], vocab_size=bad)
+
+
 @pytest.fixture(scope="module")
 def hf_tokenizer_dir(tmp_path_factory):
     from tokenizers import Tokenizer as RawTokenizer

@@ -173,6 +173,16 @@ class _Abort(Exception):
 _LATER = object()  # a handler's result: the reply is sent later (generate: when its rows finish)
 
 
+def engine_device(device: torch.device | str) -> torch.device:
+    """The engine's device: ``device``, where "cuda" without an index means this rank's GPU
+    (``cuda:$LOCAL_RANK``, as the trainer's; not the engine process's current device, GPU 0 on
+    every rank)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return d
+
+
 def _empty_model(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Transformer:
     """The engine's model, allocated in ``dtype`` on ``device`` but not initialised: its values
     come from the first publish."""
@@ -721,7 +731,8 @@ class TorchEngine:
         dtype:          the engine's compute dtype (config key ``engine.dtype``): "float32" /
                         "fp32", "bfloat16" / "bf16", "float16" / "fp16", or a ``torch.dtype``.
                         Weights, activations and the KV cache are in it; sampling runs in fp32.
-        device:         where the engine's model lives (default CPU).
+        device:         where the engine's model lives (default CPU); "cuda" without an index
+                        is this rank's GPU, ``cuda:$LOCAL_RANK`` (:func:`engine_device`).
         version:        the weight version the engine starts at (the first publish may not go
                         below it).
         in_process:     run the serving loop in a thread of this process instead of a spawned
@@ -804,7 +815,7 @@ class TorchEngine:
         self._process = None
         server_kw = dict(
             model_args=model_args,
-            device=torch.device(device),
+            device=engine_device(device),
             dtype=self._dtype,
             version=self._version,
             seed=seed,

@@ -99,3 +99,16 @@ def test_the_engine_uses_the_plain_linear_kernel_off_the_cpu():
     (test_engine_torch.py::test_packed_linears_keep_names_and_outputs_and_follow_publishes)."""
     for dtype in (torch.float32, torch.bfloat16):
         assert not onednn_linear_available(torch.device("cuda", 0), dtype)
+
+
+def test_a_torch_engine_on_cuda_takes_its_ranks_gpu(monkeypatch):
+    """engine.device: cuda puts rank r's TorchEngine on cuda:r (the trainer's GPU), not on the
+    engine process's current device (GPU 0 on every rank)."""
+    from minippo.engine.torch_engine import engine_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert engine_device("cuda") == torch.device("cuda", 3)
+    assert engine_device("cuda:1") == torch.device("cuda", 1)  # an explicit index is kept
+    assert engine_device("cpu") == torch.device("cpu")
+    monkeypatch.delenv("LOCAL_RANK")
+    assert engine_device("cuda") == torch.device("cuda", 0)

@@ -548,9 +548,9 @@ class AsyncPPORecipe:
             return [list(rows.split(max_rows or len(rows))) for rows in row_sets]
         lengths = [host_mask[rows].sum(1).tolist() for rows in row_sets]
         counts = [micro_batch_count(n, max_tokens) for n in lengths]
-        counts = parallel.all_reduce_floats(counts, "max", self.device)  # FSDP: same forwards
+        counts = parallel.max_over_ranks(counts, self.device)  # FSDP: the same forwards
         return [
-            [rows[g] for g in balance_tokens(n, int(c))]
+            [rows[g] for g in balance_tokens(n, c)]
             for rows, n, c in zip(row_sets, lengths, counts)
         ]
 

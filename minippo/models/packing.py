@@ -275,14 +275,16 @@ def varlen_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     layout: PackedLayout,
-    kernel: Callable[..., torch.Tensor] = _torch_varlen_attn,
+    kernel: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence of the stream in one varlen call (the CUDA path in
     bf16/fp16): ``kernel`` is ``torch.nn.attention.varlen.varlen_attn`` (flash attention), which
     takes the stream as ``[N, heads, hd]`` with ``cu_seqlens`` (int32) and the longest length,
     causal as the window (-1, 0), and GQA with ``enable_gqa`` (query head h reads key/value head
-    h // (H / H_kv), as :func:`bucketed_attention`). A test passes a CPU stand-in ``kernel``."""
+    h // (H / H_kv), as :func:`bucketed_attention`). ``kernel``: None for torch's; a test passes a
+    CPU stand-in."""
     cu, n = layout.cu_seqlens, layout.max_seqlen
+    kernel = _torch_varlen_attn if kernel is None else kernel
     return kernel(q, k, v, cu, cu, n, n, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
 
 

@@ -50,7 +50,11 @@ def micro_batch_count(lengths: Sequence[int], max_tokens: int) -> int:
     if max_tokens < 1:
         raise ValueError(f"max_tokens ({max_tokens}) must be >= 1")
     n = len(lengths)
-    count = max(1, min(n, -(-sum(lengths) // max_tokens)))
+    # a lower bound: one group per sequence over the budget (it holds nothing else), and the
+    # others' tokens in groups of at most max_tokens
+    over = sum(1 for x in lengths if x > max_tokens)
+    rest = sum(x for x in lengths if x <= max_tokens)
+    count = max(1, min(n, over + -(-rest // max_tokens)))
     while count < n:
         groups = balance_tokens(lengths, count)
         if all(len(g) <= 1 or sum(lengths[i] for i in g) <= max_tokens for g in groups):

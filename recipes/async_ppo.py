@@ -550,8 +550,7 @@ class AsyncPPORecipe:
         counts = [micro_batch_count(n, max_tokens) for n in lengths]
         counts = parallel.max_over_ranks(counts, self.device)  # FSDP: the same forwards
         return [
-            [rows[g] for g in balance_tokens(n, c)]
-            for rows, n, c in zip(row_sets, lengths, counts)
+            [rows[g] for g in balance_tokens(n, c)] for rows, n, c in zip(row_sets, lengths, counts)
         ]
 
     def _pack(self, host_mask, rows, prompt_len):

@@ -90,6 +90,12 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
                 f"ppo.{rows_key} ({ppo[rows_key]}) and ppo.{tokens_key} ({ppo[tokens_key]}) "
                 f"both size the same forwards; set one of them to null"
             )
+        elif ppo.get(tokens_key) is not None and not ppo.get("pack", True):
+            problems.append(
+                f"ppo.{tokens_key} ({ppo[tokens_key]}) counts real tokens, which bound a "
+                f"forward only when it computes on them: set ppo.pack=true, or ppo.{rows_key} "
+                "for padded forwards"
+            )
     if cfg.kl.coef > 0 and cfg.kl.mode == "loss" and cfg.kl.estimator == "k1":
         problems.append(
             "kl.estimator=k1 with kl.mode=loss has zero expected gradient (E_π[∇log π] = 0); "

@@ -214,9 +214,8 @@ def _buckets(
     """Sequences grouped longest first: a new bucket starts at the first sequence shorter than
     its bucket's longest / BUCKET_RATIO. Returns the buckets (count, length, tokens, slots) and
     the inverse permutation from the stream to the buckets' concatenated tokens."""
-    offsets = [0]
-    for n in seq_lens:
-        offsets.append(offsets[-1] + n)
+    lengths = torch.tensor(seq_lens)
+    offsets = lengths.cumsum(0) - lengths  # stream offset of each sequence
     groups: list[list[int]] = []
     for i in sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]):  # stable: ties in order
         if not groups or seq_lens[i] * BUCKET_RATIO < seq_lens[groups[-1][0]]:
@@ -224,12 +223,15 @@ def _buckets(
         groups[-1].append(i)
     out = []
     for group in groups:
+        members = torch.tensor(group)
+        n = lengths[members]
+        seq = torch.repeat_interleave(torch.arange(len(group)), n)  # the bucket's j of each token
+        position = torch.arange(int(n.sum())) - (n.cumsum(0) - n)[seq]  # place in its sequence
         length = seq_lens[group[0]]
-        tokens = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in group])
-        slots = torch.cat([j * length + torch.arange(seq_lens[i]) for j, i in enumerate(group)])
-        out.append((len(group), length, tokens, slots))
-    order = torch.empty(offsets[-1], dtype=torch.long)
-    order[torch.cat([t for _, _, t, _ in out])] = torch.arange(offsets[-1])
+        out.append((len(group), length, offsets[members][seq] + position, seq * length + position))
+    N = sum(seq_lens)
+    order = torch.empty(N, dtype=torch.long)
+    order[torch.cat([t for _, _, t, _ in out])] = torch.arange(N)
     return out, order
 
 

@@ -34,7 +34,7 @@ from minippo.training.checkpoint import Checkpointer, RNGState
 from minippo.training.evaluation import evaluate
 from minippo.training.interrupt import StopOnSignal
 from minippo.training.metrics import MetricAverager, NoOpLogger, gather_and_reduce
-from minippo.training.micro_batches import balance_tokens, micro_batch_count
+from minippo.training.micro_batches import split_rows
 from minippo.training.nan_guard import NonFiniteGuard
 from minippo.training.optimizers import build_optimizer
 from minippo.training.output_dir import OutputDir
@@ -546,19 +546,6 @@ class AsyncPPORecipe:
             )
         self.logger.log({**result.metrics, "perf/eval_s": result.seconds}, step=steps_done)
 
-    def _split(self, row_sets, host_mask, max_tokens, max_rows) -> list[list[torch.Tensor]]:
-        """Each set of rows (Long[n], CPU) in forwards of at most ``max_tokens`` real tokens,
-        balanced (``minippo.training.micro_batches``; every rank runs as many forwards per set:
-        one collective for all sets), or of ``max_rows`` rows; both None: one forward."""
-        if max_tokens is None:
-            return [list(rows.split(max_rows or len(rows))) for rows in row_sets]
-        lengths = [host_mask[rows].sum(1).tolist() for rows in row_sets]
-        counts = [micro_batch_count(n, max_tokens) for n in lengths]
-        counts = parallel.max_over_ranks(counts, self.device)  # FSDP: the same forwards
-        return [
-            [rows[g] for g in balance_tokens(n, c)] for rows, n, c in zip(row_sets, lengths, counts)
-        ]
-
     def _pack(self, host_mask, rows, prompt_len):
         """The packed layout of ``rows`` (on the host; None with ``ppo.pack: false``)."""
         return models.pack(host_mask[rows], start=prompt_len) if self.pack else None
@@ -569,11 +556,12 @@ class AsyncPPORecipe:
         in row order; every rank runs as many forwards, so FSDP's collectives line up. Packing
         reads the attention mask on the host (one copy from the device per pass)."""
         host_mask = batch.attention_mask.cpu()
-        (chunks,) = self._split(
+        (chunks,) = split_rows(
             [torch.arange(batch.batch_size)],
-            host_mask,
-            getattr(self.ppo, "score_max_tokens_per_micro_batch", None),
-            self.ppo.score_micro_batch_size,
+            host_mask.sum(1),
+            max_tokens=getattr(self.ppo, "score_max_tokens_per_micro_batch", None),
+            max_rows=self.ppo.score_micro_batch_size,
+            device=self.device,
         )
         outs = []
         for rows in chunks:
@@ -608,11 +596,12 @@ class AsyncPPORecipe:
             for _epoch in range(ppo.epochs)
             for rows in torch.randperm(B, generator=gen).chunk(ppo.minibatches)
         ]
-        micros = self._split(
+        micros = split_rows(
             minibatches,
-            host_mask,
-            getattr(ppo, "max_tokens_per_micro_batch", None),
-            ppo.micro_batch_size,
+            host_mask.sum(1),
+            max_tokens=getattr(ppo, "max_tokens_per_micro_batch", None),
+            max_rows=ppo.micro_batch_size,
+            device=self.device,
         )
         return [[(m, self._pack(host_mask, m, prompt_len)) for m in mbs] for mbs in micros]
 

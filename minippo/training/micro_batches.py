@@ -10,9 +10,9 @@ longest first into the lightest group (LPT), which keeps the largest group withi
 possible one. A sequence longer than the budget takes a group of its own.
 
 Under FSDP every rank must run the same number of forwards (each forward all-gathers the
-parameters with the other ranks): the recipe takes the largest count over the ranks
-(:func:`~minippo.parallel.all_reduce_floats` with ``max``), and each rank spreads its rows over
-that count, which also balances the ranks' tokens per forward.
+parameters with the other ranks): :func:`split_rows` takes the largest count over the ranks
+(:func:`~minippo.parallel.max_over_ranks`), and each rank spreads its rows over that count, which
+also balances the ranks' tokens per forward (the rows themselves stay on their rank).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-__all__ = ["balance_tokens", "micro_batch_count"]
+import torch
+
+__all__ = ["balance_tokens", "micro_batch_count", "split_rows"]
 
 
 def balance_tokens(lengths: Sequence[int], count: int) -> list[list[int]]:
@@ -61,3 +63,32 @@ def micro_batch_count(lengths: Sequence[int], max_tokens: int) -> int:
             break
         count += 1
     return count
+
+
+def split_rows(
+    row_sets: Sequence[torch.Tensor],
+    lengths: torch.Tensor,
+    *,
+    max_tokens: int | None,
+    max_rows: int | None,
+    device: torch.device | str,
+) -> list[list[torch.Tensor]]:
+    """The forwards of each set of rows: at most ``max_tokens`` real tokens each, as many on every
+    rank (one all-reduce for all the sets: call it on every rank), or ``max_rows`` rows each;
+    both None: one forward per set.
+
+    Args:
+        row_sets: Long[n] row indices (CPU), e.g. the minibatches of a step
+        lengths:  Long[B] (CPU), the real tokens of every row of the batch
+        device:   where the all-reduce's tensor lives (the accelerator under NCCL)
+    Returns: per set, its forwards as Long row indices (each forward's rows ascending).
+    """
+    from minippo.parallel import max_over_ranks
+
+    if max_tokens is None:
+        return [list(rows.split(max_rows or len(rows))) for rows in row_sets]
+    per_set = [lengths[rows].tolist() for rows in row_sets]
+    counts = max_over_ranks([micro_batch_count(n, max_tokens) for n in per_set], device)
+    return [
+        [rows[g] for g in balance_tokens(n, c)] for rows, n, c in zip(row_sets, per_set, counts)
+    ]

@@ -54,3 +54,22 @@ def test_bad_arguments():
         balance_tokens([1], 0)
     with pytest.raises(ValueError, match="max_tokens"):
         micro_batch_count([1], 0)
+
+
+def test_split_rows_by_rows_by_tokens_or_whole():
+    import torch
+
+    from minippo.training.micro_batches import split_rows
+
+    lengths = torch.tensor([11, 7, 11, 6, 7, 11, 4, 11])
+    sets = [torch.tensor([0, 1, 2, 3]), torch.tensor([7, 6, 5, 4])]
+    by_rows = split_rows(sets, lengths, max_tokens=None, max_rows=2, device="cpu")
+    assert [[g.tolist() for g in s] for s in by_rows] == [[[0, 1], [2, 3]], [[7, 6], [5, 4]]]
+    whole = split_rows(sets, lengths, max_tokens=None, max_rows=None, device="cpu")
+    assert [[g.tolist() for g in s] for s in whole] == [[[0, 1, 2, 3]], [[7, 6, 5, 4]]]
+    # 12 tokens: [11, 7, 11, 6] needs 4 forwards ([7, 6] = 13 > 12), [11, 4, 11, 7] needs 3
+    by_tokens = split_rows(sets, lengths, max_tokens=12, max_rows=None, device="cpu")
+    assert [[g.tolist() for g in s] for s in by_tokens] == [
+        [[0], [2], [1], [3]],
+        [[7], [5], [6, 4]],
+    ]

@@ -112,7 +112,9 @@ def logprobs_from_hidden(
     fn = partial(_chunk_logprobs_entropy, grad=entropy_grad) if with_entropy else _chunk_logprobs
     use_ckpt = torch.is_grad_enabled() and h.requires_grad
     outs = []
-    for c in range(0, B * L, chunk_size):
+    # at least one (maybe empty) chunk: a packed batch may hold no token to score, and its
+    # outputs must still hang off the graph for a backward of zeros
+    for c in range(0, max(B * L, 1), chunk_size):
         hc, tc = h[c : c + chunk_size], t[c : c + chunk_size]
         if use_ckpt:
             outs.append(checkpoint(fn, lm_head, hc, tc, temperature, use_reentrant=False))

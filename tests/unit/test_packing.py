@@ -481,3 +481,27 @@ def test_fp32_scores_of_a_batch_in_one_or_several_packs_agree():
     joined[[0, 3, 5]], joined[[1, 2, 4]] = parts
     tol = bound(model.args, torch.float32, float(whole.abs().max()))
     assert (joined - whole).abs().max() <= tol
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_micro_batch_without_response_tokens(fused):
+    """Rows whose responses are all empty: nothing to score, zeros out, and a backward that
+    reaches every parameter it used with zero gradients (a forward under FSDP still runs)."""
+    tokens, mask, pos = rollout_like(64)
+    rows = torch.tensor([2])  # the row without a response
+    model = model_of(torch.float32)
+    lay = pack(mask[rows], start=P)
+    assert lay.score_src.numel() == 0
+    kw = dict(position_ids=pos[rows], start=P, packed=lay)
+    if fused:
+        m = mask[rows, P:].float()
+        spec = FusedLossSpec(anchor_logprobs=m, advantages=m, response_mask=m)
+        out = fused_policy_loss(model, tokens[rows], spec, **kw)
+        lp, loss = out.logprobs, out.loss
+    else:
+        lp, _ = token_logprobs_and_entropy(model, tokens[rows], **kw)
+        loss = lp.sum()
+    assert lp.shape == (1, R) and not lp.any()
+    loss.backward()
+    assert model.output.weight.grad is not None and not model.output.weight.grad.any()
+

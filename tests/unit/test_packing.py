@@ -504,4 +504,3 @@ def test_a_micro_batch_without_response_tokens(fused):
     assert lp.shape == (1, R) and not lp.any()
     loss.backward()
     assert model.output.weight.grad is not None and not model.output.weight.grad.any()
-

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from minippo.config import load_config
-from tests.distributed.test_one_vs_two_ranks import _copy, _critic_head, _moved_reference
+from tests.distributed.test_one_vs_two_ranks import _copy, _live_weights
 from tests.helpers import FIXED_BATCH_OVERRIDES, fixed_rollout_batch, recipe_on_fixed_batches
 
 U = torch.finfo(torch.float32).eps / 2
@@ -72,7 +72,7 @@ RUNS["packed_hsdp2"] = ([*PACKED, "parallel.sharding=hsdp"], 2)
 def train_one_step(out: Path, case: str, run: str, rank: int, world: int) -> dict | None:
     """One recipe step; on rank 0 the full weights before and after and the metrics; on every
     rank the micro-batches per minibatch it ran."""
-    from minippo.parallel import gather_full_state_dict, load_full_state_dict
+    from minippo.parallel import gather_full_state_dict
     from minippo.training.metrics import read_jsonl
 
     extra, _ = RUNS[run]
@@ -83,16 +83,7 @@ def train_one_step(out: Path, case: str, run: str, rank: int, world: int) -> dic
     forwards: list[int] = []
     with recipe_on_fixed_batches(cfg, lambda step: batch, rank, world) as recipe:
         batch = fixed_rollout_batch(recipe.actor.args, actor_seed=cfg.seed)
-        models = {"actor": recipe.actor}
-        if recipe.ref is not None:
-            load_full_state_dict(
-                recipe.ref, _moved_reference(recipe.actor.args, cfg.seed), device="cpu"
-            )
-        if recipe.critic is not None:
-            load_full_state_dict(
-                recipe.critic, _critic_head(recipe.critic.args, cfg.seed + 1), device="cpu"
-            )
-            models["critic"] = recipe.critic
+        models = _live_weights(recipe, cfg.seed)
         real_plan = recipe._update_plan
 
         def plan(*args):

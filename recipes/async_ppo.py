@@ -34,6 +34,7 @@ from minippo.training.checkpoint import Checkpointer, RNGState
 from minippo.training.evaluation import evaluate
 from minippo.training.interrupt import StopOnSignal
 from minippo.training.metrics import MetricAverager, NoOpLogger, gather_and_reduce
+from minippo.training.micro_batches import split_rows
 from minippo.training.nan_guard import NonFiniteGuard
 from minippo.training.optimizers import build_optimizer
 from minippo.training.output_dir import OutputDir
@@ -80,6 +81,21 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
             f"({ppo.micro_batch_size}); pick one of {[d for d in range(1, mb_rows + 1) if mb_rows % d == 0]}"
             " or null (the whole minibatch in one forward)"
         )
+    for rows_key, tokens_key in (
+        ("micro_batch_size", "max_tokens_per_micro_batch"),
+        ("score_micro_batch_size", "score_max_tokens_per_micro_batch"),
+    ):
+        if ppo.get(rows_key) is not None and ppo.get(tokens_key) is not None:
+            problems.append(
+                f"ppo.{rows_key} ({ppo[rows_key]}) and ppo.{tokens_key} ({ppo[tokens_key]}) "
+                f"both size the same forwards; set one of them to null"
+            )
+        elif ppo.get(tokens_key) is not None and not ppo.get("pack", True):
+            problems.append(
+                f"ppo.{tokens_key} ({ppo[tokens_key]}) counts real tokens, which bound a "
+                f"forward only when it computes on them: set ppo.pack=true, or ppo.{rows_key} "
+                "for padded forwards"
+            )
     if cfg.kl.coef > 0 and cfg.kl.mode == "loss" and cfg.kl.estimator == "k1":
         problems.append(
             "kl.estimator=k1 with kl.mode=loss has zero expected gradient (E_π[∇log π] = 0); "
@@ -152,7 +168,8 @@ class AsyncPPORecipe:
     3. advantages: GAE over per-token rewards (``advantage_estimator: gae``, critic) or
        group-normalised sequence rewards (``grpo``, critic-free).
     4. PPO updates: ``ppo.epochs`` x ``ppo.minibatches`` optimizer steps, each accumulated over
-       micro-batches of ``ppo.micro_batch_size`` rows (null: one forward per minibatch); clipped policy loss x IS weights, clipped
+       micro-batches of ``ppo.max_tokens_per_micro_batch`` tokens or ``ppo.micro_batch_size``
+       rows (both null: one forward per minibatch); clipped policy loss x IS weights, clipped
        value loss; the first ``critic.warmup_steps`` steps train only the critic. A non-finite loss
        or gradient norm skips that optimizer step; ``max_consecutive_nonfinite`` in a row stop the
        run. ``correction.after_optimizer_step`` (EWMA) after each actor step.
@@ -165,6 +182,10 @@ class AsyncPPORecipe:
     KL to a frozen reference (``kl.mode``): ``reward`` subtracts β·KL per token from the reward
     (classic RLHF PPO, estimated under μ), ``loss`` adds β·KL to the policy loss (GRPO-style;
     ``k2``/``k3`` only, docs/recipe.md).
+    Packed passes (``ppo.pack``, the default): every training and scoring forward computes on the
+    real tokens of its sequences only, packed into one stream (``minippo.models.packing``); the
+    per-token tensors stay ``[B, R]``. ``pack: false`` computes on the padded batch (the
+    reference the tests compare packing with).
     Parallelism: under torchrun (``minippo run --nproc-per-node N``) the models are built on the
     meta device, FSDP2-sharded over all ranks (``parallel.sharding: hsdp``: over a node's ranks,
     replicated across nodes; docs/multinode.md) and filled shard by shard; each rank drives its own
@@ -213,6 +234,7 @@ class AsyncPPORecipe:
         # step, and a DictConfig lookup costs 10-30 µs
         self.ppo = SimpleNamespace(**OmegaConf.to_container(cfg.ppo, resolve=True))
         self.kl = SimpleNamespace(**OmegaConf.to_container(cfg.kl, resolve=True))
+        self.pack = bool(cfg.ppo.get("pack", True))  # packed passes: real tokens only
         self.ckpt_path: Path | None = None  # the last checkpoint saved or loaded
         self.progress = self.queue = self.engine = self.logger = None  # built by setup
         self.output_dir = OutputDir.of_run(cfg)  # one run per output_dir, locked until cleanup
@@ -459,8 +481,9 @@ class AsyncPPORecipe:
             # step 4. PPO epochs x minibatches, gradient accumulation over micro-batches
             t_train = time.perf_counter()
             train_actor = not (self.use_critic and step < cfg.critic.warmup_steps)
+            plan = self._update_plan(step, rollouts.batch.attention_mask, batch.prompt_len)
             inputs = (batch, corr, advantages, returns, values, ref_logprobs, train_actor)
-            metrics |= self._ppo_updates(step, *inputs) | corr.metrics()
+            metrics |= self._ppo_updates(step, plan, *inputs) | corr.metrics()
             if train_actor:  # the actor's schedule starts with its first update
                 self.scheduler.step()
             if self.critic_scheduler is not None:
@@ -533,84 +556,130 @@ class AsyncPPORecipe:
             )
         self.logger.log({**result.metrics, "perf/eval_s": result.seconds}, step=steps_done)
 
+    def _pack(self, host_mask, rows, prompt_len):
+        """The packed layout of ``rows`` (on the host; None with ``ppo.pack: false``)."""
+        return models.pack(host_mask[rows], start=prompt_len) if self.pack else None
+
     def _scored(self, fn, batch) -> torch.Tensor:
-        """fn over row chunks of ``ppo.score_micro_batch_size`` (null: the whole batch at once);
-        every rank has the same number of rows, so FSDP's collective forwards line up."""
-        n = self.ppo.score_micro_batch_size or batch.batch_size
-        return torch.cat([fn(batch.select(slice(i, i + n))) for i in range(0, batch.batch_size, n)])
+        """``fn(chunk, layout)`` over the forwards of ``ppo.score_max_tokens_per_micro_batch``
+        tokens or ``ppo.score_micro_batch_size`` rows (both null: the whole batch at once), back
+        in row order; every rank runs as many forwards, so FSDP's collectives line up. Packing
+        reads the attention mask on the host (one copy from the device per pass)."""
+        host_mask = batch.attention_mask.cpu()
+        (chunks,) = split_rows(
+            [torch.arange(batch.batch_size)],
+            host_mask.sum(1),
+            max_tokens=getattr(self.ppo, "score_max_tokens_per_micro_batch", None),
+            max_rows=self.ppo.score_micro_batch_size,
+            device=self.device,
+        )
+        outs = []
+        for rows in chunks:
+            layout = self._pack(host_mask, rows, batch.prompt_len)
+            outs.append(fn(batch.select(rows), None if layout is None else layout.to(self.device)))
+        order = torch.cat(chunks)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        return torch.cat(outs)[inverse.to(self.device)]
 
-    def _logprobs(self, model, batch) -> torch.Tensor:  # at the sampling temperature
-        return models.response_logprobs(model, batch, temperature=self.temperature)
+    def _logprobs(self, model, batch, layout) -> torch.Tensor:  # at the sampling temperature
+        return models.response_logprobs(model, batch, temperature=self.temperature, packed=layout)
 
-    def _values(self, batch) -> torch.Tensor:
+    def _values(self, batch, layout) -> torch.Tensor:
         return self.critic(
-            batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask
+            batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=batch.attention_mask,
+            packed=layout,
         ).float()
 
-    def _ppo_updates(
-        self, step, batch, corr, advantages, returns, old_values, ref_logprobs, train_actor
-    ) -> dict[str, float]:
-        """Step 4. A micro-batch's loss is its share of the minibatch loss over all ranks (global
-        token/sequence counts): shares add up over micro-batches by gradient accumulation and
-        over ranks by FSDP's gradient sum. Statistics stay on the device until ``result()``; the
-        only other host syncs are the finite checks, one per optimizer step."""
-        ppo = self.ppo
-        stats = MetricAverager()  # per-token stats weigh by tokens, minibatch values by 1
-        # A seeded generator per (step, rank): the minibatch order is independent of the global
-        # RNG state, so a resumed run shuffles exactly like an uninterrupted one.
+    def _update_plan(self, step, host_mask, prompt_len) -> list[list[tuple[torch.Tensor, object]]]:
+        """Step 4's forwards, planned on the host before it starts: per optimizer step (epochs x
+        minibatches) its micro-batches as (rows, packed layout), the layouts on the host (moved
+        to the device one micro-batch at a time). A seeded generator per (step, rank): the
+        minibatch order is independent of the global RNG state, so a resumed run shuffles
+        exactly like an uninterrupted one."""
+        ppo, B = self.ppo, host_mask.shape[0]
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 1009 + self.rank)
-        for _epoch in range(ppo.epochs):
-            for rows in torch.randperm(batch.batch_size, generator=gen).chunk(ppo.minibatches):
-                counts = rl.global_counts(batch.response_mask[rows])
-                shares: dict[str, torch.Tensor] = {}  # this rank's loss shares of the minibatch
-                micros = rows.split(ppo.micro_batch_size or len(rows))  # null: one forward
-                for i, micro in enumerate(micros):
-                    last = i == len(micros) - 1  # HSDP: gradients cross nodes once per minibatch
-                    parallel.set_replica_sync(self.actor, last)
-                    parallel.set_replica_sync(self.critic, last)
-                    mb = batch.select(micro)
-                    if train_actor:
-                        ref = None if ref_logprobs is None else ref_logprobs[micro]
-                        out = self._actor_backward(mb, micro, corr, advantages[micro], ref, counts)
-                        self._add_shares(shares, out, stats, mb)
-                    if self.use_critic:
-                        out = self._critic_backward(mb, old_values[micro], returns[micro], counts)
-                        self._add_shares(shares, out, stats, mb)
+        minibatches = [
+            rows
+            for _epoch in range(ppo.epochs)
+            for rows in torch.randperm(B, generator=gen).chunk(ppo.minibatches)
+        ]
+        micros = split_rows(
+            minibatches,
+            host_mask.sum(1),
+            max_tokens=getattr(ppo, "max_tokens_per_micro_batch", None),
+            max_rows=ppo.micro_batch_size,
+            device=self.device,
+        )
+        return [[(m, self._pack(host_mask, m, prompt_len)) for m in mbs] for mbs in micros]
+
+    def _ppo_updates(
+        self, step, plan, batch, corr, advantages, returns, old_values, ref_logprobs, train_actor
+    ) -> dict[str, float]:
+        """Step 4 along ``plan`` (:meth:`_update_plan`). A micro-batch's loss is its share of the
+        minibatch loss over all ranks (global token/sequence counts): shares add up over
+        micro-batches by gradient accumulation and over ranks by FSDP's gradient sum, whatever
+        rows each micro-batch holds. Statistics stay on the device until ``result()``; the only
+        other host syncs are the finite checks, one per optimizer step."""
+        stats = MetricAverager()  # per-token stats weigh by tokens, minibatch values by 1
+        for micros in plan:
+            rows = torch.cat([m for m, _ in micros])
+            counts = rl.global_counts(batch.response_mask[rows])
+            shares: dict[str, torch.Tensor] = {}  # this rank's loss shares of the minibatch
+            for i, (micro, layout) in enumerate(micros):
+                last = i == len(micros) - 1  # HSDP: gradients cross nodes once per minibatch
+                parallel.set_replica_sync(self.actor, last)
+                parallel.set_replica_sync(self.critic, last)
+                mb = batch.select(micro)
+                layout = None if layout is None else layout.to(self.device)
                 if train_actor:
-                    loss = shares["train/loss"]
-                    norm, stepped = self._clip_and_step(
-                        self.actor, self.optimizer, self.actor_guard, loss, step
+                    ref = None if ref_logprobs is None else ref_logprobs[micro]
+                    out = self._actor_backward(
+                        mb, micro, corr, advantages[micro], ref, counts, layout
                     )
-                    if stepped:
-                        self.correction.after_optimizer_step(self.actor)  # EWMA's θ̄ update
-                    stats.add({"train/grad_norm": norm})
+                    self._add_shares(shares, out, stats, mb)
                 if self.use_critic:
-                    loss = shares["train/value_loss"]
-                    norm, _ = self._clip_and_step(
-                        self.critic, self.critic_optimizer, self.critic_guard, loss, step
+                    out = self._critic_backward(
+                        mb, old_values[micro], returns[micro], counts, layout
                     )
-                    stats.add({"train/critic_grad_norm": norm})
-                stats.add(shares)
+                    self._add_shares(shares, out, stats, mb)
+            if train_actor:
+                loss = shares["train/loss"]
+                norm, stepped = self._clip_and_step(
+                    self.actor, self.optimizer, self.actor_guard, loss, step
+                )
+                if stepped:
+                    self.correction.after_optimizer_step(self.actor)  # EWMA's θ̄ update
+                stats.add({"train/grad_norm": norm})
+            if self.use_critic:
+                loss = shares["train/value_loss"]
+                norm, _ = self._clip_and_step(
+                    self.critic, self.critic_optimizer, self.critic_guard, loss, step
+                )
+                stats.add({"train/critic_grad_norm": norm})
+            stats.add(shares)
         out = stats.result()
         skipped = self.actor_guard.skipped_total + self.critic_guard.skipped_total
         out["train/nonfinite_skipped_total"] = float(skipped)
         return out
 
-    def _actor_backward(self, mb, rows, corr, advantages, ref_logprobs, counts):
+    def _actor_backward(self, mb, rows, corr, advantages, ref_logprobs, counts, layout):
         """Backward of one micro-batch's policy loss (+ β·KL with ``kl.mode: loss``); returns
-        (its loss shares, its per-token statistics)."""
+        (its loss shares, its per-token statistics). ``layout``: packed (or None: padded)."""
         ppo, kl_cfg, m = self.ppo, self.kl, mb.response_mask
         agg = dict(agg_mode=ppo.loss_agg_mode, global_tokens=counts.tokens, global_seqs=counts.seqs)
-        if getattr(ppo, "fused_loss", False):
-            return self._actor_backward_fused(mb, rows, corr, advantages, ref_logprobs, agg)
-        logp, entropy = models.token_logprobs_and_entropy(
-            self.actor,
-            mb.input_ids,
+        score = dict(
             attention_mask=mb.attention_mask,
             position_ids=mb.position_ids,
             temperature=self.temperature,
             start=mb.prompt_len,
+            packed=layout,
         )
+        if getattr(ppo, "fused_loss", False):
+            return self._actor_backward_fused(mb, rows, corr, advantages, ref_logprobs, agg, score)
+        logp, entropy = models.token_logprobs_and_entropy(self.actor, mb.input_ids, **score)
         c = corr.minibatch(rows.to(self.device), logp)  # anchors, IS weights, keep-mask
         loss, st = rl.policy_loss(
             logp,
@@ -636,7 +705,7 @@ class AsyncPPORecipe:
         shares["train/loss"] = loss.detach()
         return shares, per_token
 
-    def _actor_backward_fused(self, mb, rows, corr, advantages, ref_logprobs, agg):
+    def _actor_backward_fused(self, mb, rows, corr, advantages, ref_logprobs, agg, score):
         """``_actor_backward`` with ``ppo.fused_loss``: the same loss, gradients and statistics
         from ``models.fused_policy_loss`` (the lm_head and the loss in one chunked pass, nothing
         recomputed in backward). Anchors that follow the current policy are formed token by token
@@ -644,12 +713,6 @@ class AsyncPPORecipe:
         sequence level with one update per step) gets the micro-batch's logprobs from one extra
         no-grad forward first."""
         ppo, kl_cfg, m = self.ppo, self.kl, mb.response_mask
-        score = dict(
-            attention_mask=mb.attention_mask,
-            position_ids=mb.position_ids,
-            temperature=self.temperature,
-            start=mb.prompt_len,
-        )
         rows = rows.to(self.device)
         token_anchors = corr.token_anchors(rows)
         if token_anchors is not None:
@@ -689,10 +752,10 @@ class AsyncPPORecipe:
         shares["train/loss"] = out.loss.detach()
         return shares, per_token
 
-    def _critic_backward(self, mb, old_values, returns, counts):
+    def _critic_backward(self, mb, old_values, returns, counts, layout):
         """Backward of one micro-batch's clipped value loss; returns (shares, statistics)."""
         ppo = self.ppo
-        v, _ = rl.split_critic_values(self._values(mb), mb.response_mask)
+        v, _ = rl.split_critic_values(self._values(mb, layout), mb.response_mask)
         vloss, st = rl.value_loss(
             v,
             old_values,

@@ -13,6 +13,9 @@ Public names:
     fused_policy_loss(model, input_ids, FusedLossSpec(...), *, attention_mask, position_ids,
         temperature, start, chunk_size) -> FusedPolicyOutput(loss, stats, kl_stats, logprobs,
         entropy): rl.policy_loss (+ β·rl.kl_loss) with the lm_head fused, no recompute in backward
+    pack(attention_mask, *, start) -> PackedLayout: the real tokens of a padded batch as one
+        stream; every function above and both models take it as ``packed=`` (real tokens only,
+        outputs in their padded shapes, zeros at padding)
     HF folders: from_pretrained(path, dtype, device) -> Transformer; save_pretrained(model, path, *,
         max_shard_bytes); save_pretrained_state_dict(native_sd, args, path); load_hf_state_dict;
         value_model_from_pretrained; model_args_from_hf_config(dict); hf_config_from_model_args;
@@ -61,6 +64,7 @@ from minippo.models.model import (
     qwen3_tiny,
     rope_inv_freq,
 )
+from minippo.models.packing import PackedLayout, pack
 from minippo.models.tokenizer import (
     TOKENIZER_FILES,
     HFTokenizer,
@@ -77,6 +81,7 @@ __all__ = [
     "HFTokenizer",
     "KVCache",
     "ModelArgs",
+    "PackedLayout",
     "ScoreSpec",
     "TinyTokenizer",
     "Tokenizer",
@@ -95,6 +100,7 @@ __all__ = [
     "model_args_from_hf_config",
     "model_args_from_pretrained",
     "native_name",
+    "pack",
     "qwen2_5_0_5b",
     "qwen3_0_6b",
     "qwen3_1_7b",

@@ -162,9 +162,11 @@ def _masked(
     }
 
 
-def _prepare(spec: FusedLossSpec, shape: torch.Size) -> dict[str, torch.Tensor]:
-    """Flattened [N] per-token inputs (the anchors' ones left to each chunk with
-    ``token_anchors``)."""
+def _prepare(
+    spec: FusedLossSpec, shape: torch.Size, positions: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """Per-token inputs of the N scored tokens (the anchors' ones left to each chunk with
+    ``token_anchors``): the flattened ``[B·R]``, or with ``positions`` those entries only."""
     m = spec.response_mask
     zero = torch.zeros(shape, dtype=torch.float32, device=m.device)
     # dtypes as the unfused ops promote them (float32 logprobs with float32 or wider inputs)
@@ -177,24 +179,31 @@ def _prepare(spec: FusedLossSpec, shape: torch.Size) -> dict[str, torch.Tensor]:
         out["ref"] = torch.where(out["valid"], spec.ref_logprobs.detach(), zero)
     if spec.token_anchors is None:
         out = _masked(out, spec.anchor_logprobs, spec.weights, spec.keep_mask)
-    return {k: v.reshape(-1) for k, v in out.items()}
+    if positions is None:
+        return {k: v.reshape(-1) for k, v in out.items()}
+    return {k: v.reshape(-1)[positions] for k, v in out.items()}
 
 
 def _chunk_inputs(
-    prep: dict[str, torch.Tensor], sl: slice, lp: torch.Tensor, spec: FusedLossSpec
+    prep: dict[str, torch.Tensor],
+    sl: slice,
+    lp: torch.Tensor,
+    spec: FusedLossSpec,
+    positions: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
-    """The inputs of the chunk ``sl``; anchors that follow the policy formed from its ``lp``."""
+    """The inputs of the chunk ``sl``; anchors that follow the policy formed from its ``lp``
+    (handed the chunk's places in the flattened ``[B·R]``: ``sl`` itself, or ``positions[sl]``)."""
     t = {k: v[sl] for k, v in prep.items()}
     if spec.token_anchors is None:
         return t
-    return _masked(t, *spec.token_anchors(lp, sl))
+    return _masked(t, *spec.token_anchors(lp, sl if positions is None else positions[sl]))
 
 
 class _FusedPolicyLoss(torch.autograd.Function):
     """(h [N, D], W [V, D]) -> (loss, logprobs [N], entropy [N]); see the module docstring."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, temperature, chunk_size, prep, spec, finish):
+    def forward(ctx, h, weight, targets, temperature, chunk_size, prep, spec, finish, positions):
         N = h.shape[0]
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         lp_all = torch.empty(N, dtype=torch.float32, device=h.device)
@@ -222,7 +231,8 @@ class _FusedPolicyLoss(torch.autograd.Function):
             if not need_grad:
                 continue
             # g in the logprobs' float32, as autograd hands it to the logprob's own backward
-            g = _token_grad(lp, _chunk_inputs(prep, sl, lp, spec), spec).to(lp.dtype)
+            t = _chunk_inputs(prep, sl, lp, spec, positions)
+            g = _token_grad(lp, t, spec).to(lp.dtype)
             # ∂loss/∂logits = g · (onehot − p) / T, then in the lm_head's dtype (autograd's order)
             dz = p.mul_(-g[:, None])
             dz.scatter_add_(-1, tc[:, None], g[:, None])
@@ -253,7 +263,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
             )
         gh = None if gh is None else gh.mul_(grad_loss.to(gh.dtype))
         gw = None if gw is None else gw.mul_(grad_loss.to(gw.dtype))
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
 def check_fused_spec(spec: FusedLossSpec, shape: torch.Size) -> None:
@@ -286,23 +296,45 @@ def fused_policy_loss_from_hidden(
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    positions: torch.Tensor | None = None,
 ) -> FusedPolicyOutput:
     """The policy loss (+ β·KL) of ``targets Long[B, R]`` under ``hidden [B, R, D] @ weight.T / T``
     with its gradient into ``hidden`` and ``weight`` formed in this call (see the module
     docstring). ``weight`` is the lm_head weight as the model's forward sees it (under FSDP2 the
-    gathered one: call this inside the model's forward, as ``Transformer.forward`` does)."""
-    B, R, D = hidden.shape
-    shape = torch.Size((B, R))
+    gathered one: call this inside the model's forward, as ``Transformer.forward`` does).
+
+    Packed input: ``hidden [n, D]`` and ``targets Long[n]`` of n scored tokens only, and
+    ``positions Long[n]``, each one's index into the flattened ``[B·R]`` of the spec's tensors
+    (whose shape gives B and R); the other positions count as padding (their logprob is 0, and
+    ``spec.response_mask`` must be 0 there). Loss, statistics and outputs are then those of the
+    ``[B, R]`` tensors with the n logprobs in place."""
+    shape = spec.response_mask.shape
+    if positions is None:
+        B, R, D = hidden.shape
+        shape = torch.Size((B, R))
+        hidden, targets = hidden.reshape(B * R, D), targets.reshape(B * R)
+    elif not (hidden.dim() == 2 and targets.shape == positions.shape == hidden.shape[:1]):
+        raise ValueError(
+            f"fused loss: packed input needs hidden [n, D], targets [n] and positions [n], got "
+            f"{tuple(hidden.shape)}, {tuple(targets.shape)}, {tuple(positions.shape)}"
+        )
     check_fused_spec(spec, shape)
-    prep = _prepare(spec, shape)
+    B, R = shape
+    prep = _prepare(spec, shape, positions)
     out: dict = {}
+
+    def full(x: torch.Tensor) -> torch.Tensor:
+        """[n] values of the scored tokens -> [B, R], 0 elsewhere."""
+        if positions is None:
+            return x.view(B, R)
+        return x.new_zeros(B * R).index_put_((positions,), x).view(B, R)
 
     def finish(lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
         # the unfused functions on the detached logprobs: same loss value, same statistics
-        logp = lp.view(B, R)
+        logp = full(lp)
         anchors = (spec.anchor_logprobs, spec.weights, spec.keep_mask)
         if spec.token_anchors is not None:
-            anchors = tuple(x.view(B, R) for x in spec.token_anchors(lp, slice(None)))
+            anchors = tuple(x.view(B, R) for x in spec.token_anchors(logp.reshape(-1), slice(None)))
         loss, stats = policy_loss(
             logp,
             anchors[0],
@@ -333,13 +365,6 @@ def fused_policy_loss_from_hidden(
         return loss.detach().clone()
 
     loss, lp, ent = _FusedPolicyLoss.apply(
-        hidden.reshape(B * R, D),
-        weight,
-        targets.reshape(B * R),
-        temperature,
-        chunk_size,
-        prep,
-        spec,
-        finish,
+        hidden, weight, targets, temperature, chunk_size, prep, spec, finish, positions
     )
-    return FusedPolicyOutput(loss, out["stats"], out["kl_stats"], lp.view(B, R), ent.view(B, R))
+    return FusedPolicyOutput(loss, out["stats"], out["kl_stats"], full(lp), full(ent))

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from minippo.models.fused_policy_loss import FusedLossSpec, FusedPolicyOutput
 
 if TYPE_CHECKING:
+    from minippo.models.packing import PackedLayout
     from minippo.rl.types import RolloutBatch
 
 DEFAULT_CHUNK_SIZE = 1024
@@ -111,7 +112,9 @@ def logprobs_from_hidden(
     fn = partial(_chunk_logprobs_entropy, grad=entropy_grad) if with_entropy else _chunk_logprobs
     use_ckpt = torch.is_grad_enabled() and h.requires_grad
     outs = []
-    for c in range(0, B * L, chunk_size):
+    # at least one (maybe empty) chunk: a packed batch may hold no token to score, and its
+    # outputs must still hang off the graph for a backward of zeros
+    for c in range(0, max(B * L, 1), chunk_size):
         hc, tc = h[c : c + chunk_size], t[c : c + chunk_size]
         if use_ckpt:
             outs.append(checkpoint(fn, lm_head, hc, tc, temperature, use_reentrant=False))
@@ -136,6 +139,7 @@ def token_logprobs(
     temperature: float = 1.0,
     start: int = 1,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    packed: PackedLayout | None = None,
 ) -> torch.Tensor:
     """Logprobs of the given tokens, ``Float32[B, S - start]``.
 
@@ -146,19 +150,26 @@ def token_logprobs(
     ``chunk_size`` counts tokens (rows of the flattened ``[B * (S - start)]``) per lm_head chunk.
     ``model`` is a :class:`~minippo.models.Transformer`, plain or FSDP-sharded (the work runs
     inside its ``forward``, see :class:`ScoreSpec`). Values at padding positions are finite but
-    meaningless: mask them.
+    meaningless: mask them. ``packed``: a :func:`~minippo.models.packing.pack` layout of the
+    batch (made with this ``start``): only real tokens are computed, and padding positions are 0.
     """
     spec = ScoreSpec(start=start, temperature=temperature, chunk_size=chunk_size)
-    return _score(model, input_ids, attention_mask, position_ids, spec)
+    return _score(model, input_ids, attention_mask, position_ids, spec, packed)
 
 
-def response_logprobs(model: nn.Module, batch: RolloutBatch, *, temperature: float) -> torch.Tensor:
+def response_logprobs(
+    model: nn.Module,
+    batch: RolloutBatch,
+    *,
+    temperature: float,
+    packed: PackedLayout | None = None,
+) -> torch.Tensor:
     """log π(response token) at every response position of a rollout batch, ``Float32[B, R]``.
 
     :func:`token_logprobs` with the batch's attention mask and positions, ``start = P`` (the
     padded prompt length) and the sampling ``temperature``. Gradients follow the caller (wrap it in
     ``torch.no_grad()`` for a scoring pass): the reference model's logprobs and the corrections'
-    anchors are computed with it.
+    anchors are computed with it. ``packed``: the batch's layout (``pack(mask, start=P)``).
     """
     return token_logprobs(
         model,
@@ -167,6 +178,7 @@ def response_logprobs(model: nn.Module, batch: RolloutBatch, *, temperature: flo
         position_ids=batch.position_ids,
         temperature=temperature,
         start=batch.prompt_len,
+        packed=packed,
     )
 
 
@@ -180,6 +192,7 @@ def token_logprobs_and_entropy(
     start: int = 1,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     entropy_grad: bool = False,
+    packed: PackedLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`token_logprobs`, plus the entropy of each predictive distribution at
     temperature T: returns ``(logprobs, entropy)``, both ``Float32[B, S - start]``.
@@ -189,7 +202,7 @@ def token_logprobs_and_entropy(
     backward's memory that of the logprobs alone.
     """
     spec = ScoreSpec(start, temperature, chunk_size, with_entropy=True, entropy_grad=entropy_grad)
-    return _score(model, input_ids, attention_mask, position_ids, spec)
+    return _score(model, input_ids, attention_mask, position_ids, spec, packed)
 
 
 def fused_policy_loss(
@@ -202,6 +215,7 @@ def fused_policy_loss(
     temperature: float = 1.0,
     start: int = 1,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    packed: PackedLayout | None = None,
 ) -> FusedPolicyOutput:
     """The PPO policy loss (+ β·KL) of the tokens ``input_ids[:, start:]``, fused with the lm_head.
 
@@ -212,7 +226,7 @@ def fused_policy_loss(
     nothing. Returns a ``FusedPolicyOutput(loss, stats, kl_stats, logprobs, entropy)``.
     """
     score = ScoreSpec(start, temperature, chunk_size, with_entropy=True, fused=spec)
-    return _score(model, input_ids, attention_mask, position_ids, score)
+    return _score(model, input_ids, attention_mask, position_ids, score, packed)
 
 
 def _score(
@@ -221,6 +235,13 @@ def _score(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     spec: ScoreSpec,
+    packed: PackedLayout | None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | FusedPolicyOutput:
-    """``model.forward`` with a :class:`ScoreSpec`: the work of both public scoring functions."""
-    return model(input_ids, attention_mask=attention_mask, position_ids=position_ids, score=spec)
+    """``model.forward`` with a :class:`ScoreSpec`: the work of the public scoring functions."""
+    return model(
+        input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        score=spec,
+        packed=packed,
+    )

@@ -30,6 +30,7 @@ from minippo.models.logprobs import (
     check_score_args,
     logprobs_from_hidden,
 )
+from minippo.models.packing import PackedLayout, packed_attention
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 
@@ -159,7 +160,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The tables :func:`_rope` takes, made once per forward: ``cos`` and the signed sine
-    ``[-sin₁, sin₂]`` (halves), each ``[B, 1, S, hd]`` (one head axis)."""
+    ``[-sin₁, sin₂]`` (halves), each ``[B, 1, S, hd]`` (one head axis) from ``[B, S, hd]``; from
+    a packed stream's ``[N, hd]``, ``[N, 1, hd]``."""
     half = sin.shape[-1] // 2
     signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
     return cos.unsqueeze(1), signed.unsqueeze(1)
@@ -304,7 +306,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | PackedLayout | None,
         kv_cache: KVCache | None,
         layer: int,
         start: int,
@@ -312,7 +314,10 @@ class Attention(nn.Module):
         """x [B·S, D] (rows are tokens) -> [B·S, D]; ``cos/sin [B, 1, S, hd]``
         (:func:`_rope_tables`, which also give B and S); ``mask`` [B, 1, S, S_kv] in x's dtype, 0
         where a query may attend and -inf elsewhere (:func:`attention_mask_4d` made additive,
-        once per forward), or None (causal)."""
+        once per forward), or None (causal). With a :class:`PackedLayout` as ``mask``, x is a
+        packed stream [N, D] and ``cos/sin`` are [N, 1, hd] (see :meth:`_packed`)."""
+        if isinstance(mask, PackedLayout):
+            return self._packed(x, cos, sin, mask)
         B, S = cos.shape[0], cos.shape[2]
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
@@ -323,23 +328,59 @@ class Attention(nn.Module):
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v, start)
-        gqa = self.n_heads != self.n_kv_heads
         if mask is None:
             # no padding: plain causal attention (flash kernels handle GQA natively); with a cache
             # only reached for a first chunk (keys == queries) or one new token (sees all keys);
             # a single query needs no causal mask either way
+            gqa = self.n_heads != self.n_kv_heads
             out = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=gqa)
         else:
-            if gqa and S > 1 and q.device.type != "cpu":
-                # the masked fused GPU kernels do not take GQA; repeating k/v (H/H_kv copies of
-                # [B, H_kv, S_kv, hd]) is far cheaper than the [B, H, S, S_kv] math fallback.
-                # The CPU flash kernel takes a mask and GQA together (the same output as with
-                # repeated k/v), so CPU skips the copies.
-                rep = self.n_heads // self.n_kv_heads
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-                gqa = False
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = masked_attention(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B * S, -1))
+
+    def _packed(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: PackedLayout
+    ) -> torch.Tensor:
+        """A packed stream: x [N, D] -> [N, D], q/k/v as [N, heads, hd] (the varlen kernels'
+        layout), RoPE tables [N, 1, hd], attention causal inside each sequence of ``layout``."""
+        N = x.shape[0]
+        q = self.wq(x).view(N, self.n_heads, self.head_dim)
+        k = self.wk(x).view(N, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(N, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        return self.wo(packed_attention(q, k, v, layout).reshape(N, -1))
+
+
+def repeats_kv_for_mask(q: torch.Tensor) -> bool:
+    """Whether :func:`masked_attention` repeats the key/value heads for ``q``: off the CPU. The
+    masked fused GPU kernels do not take GQA, and repeating k/v (H/H_kv copies of
+    [B, H_kv, S_kv, hd]) is far cheaper than the [B, H, S, S_kv] math fallback; the CPU flash
+    kernel takes a mask and GQA together (the same output as with repeated k/v)."""
+    return q.device.type != "cpu"
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    repeat_kv: bool | None = None,
+) -> torch.Tensor:
+    """SDPA of ``q [B, H, S, hd]`` over ``k, v [B, H_kv, S_kv, hd]`` with the additive ``mask
+    [B, 1, S, S_kv]`` (the padded path) -> [B, H, S, hd]. Query head h reads key/value head
+    h // (H / H_kv): natively (``enable_gqa``), or, with ``repeat_kv`` (default
+    :func:`repeats_kv_for_mask`; a test forces it on CPU tensors), from k/v with every head
+    repeated H / H_kv times in place."""
+    rep = q.shape[1] // k.shape[1]
+    if repeat_kv is None:
+        repeat_kv = repeats_kv_for_mask(q)
+    if rep > 1 and q.shape[2] > 1 and repeat_kv:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        rep = 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=rep > 1)
 
 
 class FeedForward(nn.Module):
@@ -367,11 +408,12 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | PackedLayout | None,
         kv_cache: KVCache | None,
         start: int,
     ) -> torch.Tensor:
-        """x [B·S, D] -> [B·S, D] (see :meth:`Attention.forward`)."""
+        """x [B·S, D] (or a packed stream [N, D]) -> the same shape (see
+        :meth:`Attention.forward`)."""
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, kv_cache, self.layer, start)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -425,10 +467,15 @@ class _Decoder(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        packed: PackedLayout | None = None,
     ) -> torch.Tensor:
-        """tokens Long[B, S] -> final-normed hidden states [B, S, D]."""
+        """tokens Long[B, S] -> final-normed hidden states [B, S, D]; with ``packed``, those of
+        its real tokens only, as the packed stream [N, D] (``attention_mask`` is then not read:
+        the layout says where the real tokens are)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be Long[B, S], got shape {tuple(tokens.shape)}")
+        if packed is not None:
+            return self._packed_hidden_states(tokens, position_ids, kv_cache, packed)
         B, S = tokens.shape
         start = 0
         if kv_cache is not None:
@@ -461,6 +508,33 @@ class _Decoder(nn.Module):
             kv_cache.length = start + S
         return self.norm(h).view(B, S, -1)
 
+    def _packed_hidden_states(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        packed: PackedLayout,
+    ) -> torch.Tensor:
+        """The packed forward: the real tokens of ``tokens [b, S]`` as one stream [N, D];
+        positions from ``position_ids`` at those tokens (default: each sequence's own 0, 1, ...)."""
+        if kv_cache is not None:
+            raise ValueError("packed sequences are a training/scoring pass: no kv_cache")
+        if tuple(tokens.shape) != packed.shape:
+            raise ValueError(
+                f"tokens shape {tuple(tokens.shape)} != the packed layout's {packed.shape}"
+            )
+        if position_ids is not None and position_ids.shape != tokens.shape:
+            raise ValueError(
+                f"position_ids shape {tuple(position_ids.shape)} != tokens shape {tuple(tokens.shape)}"
+            )
+        pos = packed.positions if position_ids is None else packed.gather(position_ids)
+        h = self.tok_embeddings(packed.gather(tokens))
+        # tables [N, 1, hd]: one per stream token, broadcast over the heads of [N, heads, hd]
+        cos, sin = _rope_tables(*rope_cos_sin(self._rope_inv_freq(h.device), pos, h.dtype))
+        for layer in self.layers:
+            h = layer(h, cos, sin, packed, None, 0)
+        return self.norm(h)
+
 
 class Transformer(_Decoder):
     """Causal LM: decoder + lm_head (``output``, tied to ``tok_embeddings`` when
@@ -492,6 +566,7 @@ class Transformer(_Decoder):
         kv_cache: KVCache | None = None,
         return_hidden: bool = False,
         score: ScoreSpec | None = None,
+        packed: PackedLayout | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | FusedPolicyOutput:
         """Logits ``[B, S, V]`` (dtype of the weights) for ``tokens Long[B, S]``.
 
@@ -504,34 +579,61 @@ class Transformer(_Decoder):
                         entropies if asked) instead of logits, chunk by chunk; used by
                         :func:`~minippo.models.token_logprobs`; with ``score.fused`` the fused
                         policy loss of those logprobs (:func:`~minippo.models.fused_policy_loss`).
+        packed:         compute on the real tokens only, packed into one stream
+                        (:mod:`minippo.models.packing`; ``attention_mask`` is not read); every
+                        output keeps its padded shape, zeros at padding. With ``score``, the
+                        layout must be packed with ``start = score.start``: only the real tokens
+                        at columns >= start are scored (the lm_head runs on those rows alone).
         """
         if score is not None:
             if kv_cache is not None or return_hidden:
                 raise ValueError("score cannot be combined with kv_cache or return_hidden")
             check_score_args(tokens, score.temperature, score.start, score.chunk_size)
+            if packed is not None and packed.start != score.start:
+                raise ValueError(
+                    f"the packed layout was made with start={packed.start}, the score asks for "
+                    f"start={score.start}; pack with start={score.start}"
+                )
         h = self.hidden_states(
-            tokens, position_ids=position_ids, attention_mask=attention_mask, kv_cache=kv_cache
+            tokens,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            kv_cache=kv_cache,
+            packed=packed,
         )
-        if score is not None and score.fused is not None:
+        if score is None:
+            out = h if return_hidden else self.output(h)
+            return out if packed is None else packed.scatter(out)
+        if packed is None:  # every position from start - 1 predicts the next token
+            hidden, targets, positions = h[:, score.start - 1 : -1], tokens[:, score.start :], None
+        else:  # the predecessors of the scored real tokens only
+            hidden = h[packed.score_src]
+            targets = tokens[packed.score_rows, packed.score_cols + score.start]
+            positions = packed.scored_flat_index()
+        if score.fused is not None:
             return fused_policy_loss_from_hidden(
-                h[:, score.start - 1 : -1],
+                hidden,
                 self.output.weight,
-                tokens[:, score.start :],
+                targets,
                 score.fused,
                 temperature=score.temperature,
                 chunk_size=score.chunk_size,
+                positions=positions,
             )
-        if score is not None:
-            return logprobs_from_hidden(
-                h[:, score.start - 1 : -1],
-                self.output,
-                tokens[:, score.start :],
-                temperature=score.temperature,
-                chunk_size=score.chunk_size,
-                with_entropy=score.with_entropy,
-                entropy_grad=score.entropy_grad,
-            )
-        return h if return_hidden else self.output(h)
+        out = logprobs_from_hidden(
+            hidden if packed is None else hidden[None],
+            self.output,
+            targets if packed is None else targets[None],
+            temperature=score.temperature,
+            chunk_size=score.chunk_size,
+            with_entropy=score.with_entropy,
+            entropy_grad=score.entropy_grad,
+        )
+        if packed is None:
+            return out
+        if score.with_entropy:
+            return packed.scatter_scored(out[0][0]), packed.scatter_scored(out[1][0])
+        return packed.scatter_scored(out[0])
 
 
 class ValueModel(_Decoder):
@@ -547,9 +649,16 @@ class ValueModel(_Decoder):
         *,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        packed: PackedLayout | None = None,
     ) -> torch.Tensor:
-        """Values ``Float[B, S]`` (dtype of the weights): v[b, s] estimates the return after token s."""
-        h = self.hidden_states(tokens, position_ids=position_ids, attention_mask=attention_mask)
+        """Values ``Float[B, S]`` (dtype of the weights): v[b, s] estimates the return after token
+        s. ``packed``: computed on the real tokens only (see :meth:`Transformer.forward`), 0 at
+        padding."""
+        h = self.hidden_states(
+            tokens, position_ids=position_ids, attention_mask=attention_mask, packed=packed
+        )
+        if packed is not None:  # scatter makes a fresh [B, S] tensor
+            return packed.scatter(self.value_head(h).squeeze(-1))
         # a tensor of its own, not a view of the head's [B, S, 1] output: FSDP2 hooks the output
         # of the root module for backward, and a view of it would lose that hook to an in-place op
         return self.value_head(h).squeeze(-1).clone()

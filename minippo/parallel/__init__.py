@@ -16,6 +16,7 @@ Public names:
     apply_activation_checkpointing(model) -> model   (per decoder block; before shard_model)
     compile_blocks(model) -> model   (torch.compile per decoder block; before shard_model)
     union_over_ranks(values, device) -> sorted list   (every rank's ints, e.g. weight versions)
+    max_over_ranks(values, device) -> list            (element-wise max of every rank's ints)
     build_mesh(sharding, world_size=None, local_world_size=None) -> DeviceMesh   (parallel.sharding:
         "fsdp" 1-D over all ranks, "hsdp" (replicate = nnodes, shard = nproc_per_node))
     shard_ranks(sharding, world_size, local_world_size=None) -> ranks one parameter is split over
@@ -33,6 +34,7 @@ from minippo.parallel.distributed import (
     DistInfo,
     destroy_distributed,
     init_distributed,
+    max_over_ranks,
     union_over_ranks,
 )
 from minippo.parallel.fsdp import (
@@ -66,6 +68,7 @@ __all__ = [
     "gather_full_state_dict",
     "init_distributed",
     "load_full_state_dict",
+    "max_over_ranks",
     "replicas",
     "reshard_all",
     "set_replica_sync",

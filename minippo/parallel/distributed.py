@@ -185,6 +185,13 @@ def all_reduce_floats(values: list[float], op: str, device: torch.device) -> lis
     return t.tolist()
 
 
+def max_over_ranks(values: list[int], device: torch.device) -> list[int]:
+    """Element by element, the largest of every rank's ``values`` (each rank passes a list of the
+    same length): one small all-reduce (on CUDA one wait for the device). Every rank must call
+    it; a single process gets its own values."""
+    return [int(v) for v in all_reduce_floats([float(v) for v in values], "max", device)]
+
+
 def union_over_ranks(values: Iterable[int], device: torch.device) -> list[int]:
     """The sorted union of every rank's ints (each rank passes its own, all get the union).
 

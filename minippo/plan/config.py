@@ -164,27 +164,35 @@ def _prompt_len(cfg: DictConfig) -> int:
     )
 
 
-def _micro_batch_rows(cfg: DictConfig, world_size: int) -> int:
-    """Rows per training forward: ``ppo.micro_batch_size``, or with null this rank's minibatch
-    (groups_per_batch · samples_per_prompt / ranks / ppo.minibatches), which the recipe then
-    trains in one forward."""
+def _micro_batch_rows(cfg: DictConfig, world_size: int, seq_len: int) -> int:
+    """Rows per training forward: ``ppo.micro_batch_size``; with a token budget
+    (``ppo.max_tokens_per_micro_batch``) the sequences of the longest length ``seq_len`` it holds
+    (at least 1); both null: this rank's minibatch (groups_per_batch · samples_per_prompt / ranks
+    / ppo.minibatches), which the recipe then trains in one forward."""
     rows = OmegaConf.select(cfg, "ppo.micro_batch_size", default=_REQUIRED)
     if rows is _REQUIRED:
         _select(cfg, "ppo.micro_batch_size")  # the key is missing: its error
     if rows is not None:
         return int(rows)
+    tokens = _select(cfg, "ppo.max_tokens_per_micro_batch", None)
+    if tokens is not None:
+        return max(1, int(tokens) // seq_len)
     groups = int(_select(cfg, "rollout.groups_per_batch"))
     samples = int(_select(cfg, "rollout.samples_per_prompt"))
     return max(1, groups * samples // world_size // int(_select(cfg, "ppo.minibatches")))
 
 
-def _score_rows(cfg: DictConfig, world_size: int) -> int:
-    """Sequences per no-grad forward: ``ppo.score_micro_batch_size`` when the config has it, else
-    this rank's whole batch (groups_per_batch · samples_per_prompt / ranks), which is what the
-    recipe scores in one forward."""
+def _score_rows(cfg: DictConfig, world_size: int, seq_len: int) -> int:
+    """Sequences per no-grad forward: ``ppo.score_micro_batch_size`` when the config has it; with
+    a token budget (``ppo.score_max_tokens_per_micro_batch``) the sequences of the longest length
+    it holds; else this rank's whole batch (groups_per_batch · samples_per_prompt / ranks), which
+    is what the recipe scores in one forward."""
     rows = _select(cfg, "ppo.score_micro_batch_size", None)
     if rows is not None:
         return int(rows)
+    tokens = _select(cfg, "ppo.score_max_tokens_per_micro_batch", None)
+    if tokens is not None:
+        return max(1, int(tokens) // seq_len)
     groups = int(_select(cfg, "rollout.groups_per_batch"))
     samples = int(_select(cfg, "rollout.samples_per_prompt"))
     return max(1, groups * samples // world_size)
@@ -377,11 +385,14 @@ def plan_inputs_from_config(
             dtype_bytes=dtype_bytes(str(engine.get("dtype", "fp32")), "engine.dtype"),
             own_process=not engine.get("in_process", False),
         )
-    micro_batch = _micro_batch_rows(cfg, ranks)
-    score_rows = _score_rows(cfg, ranks)
+    seq_len = _prompt_len(cfg) + response
+    micro_batch = _micro_batch_rows(cfg, ranks, seq_len)
+    score_rows = _score_rows(cfg, ranks, seq_len)
     step = None  # what one training step runs, for the bytes it sends across nodes
     if nnodes > 1:
-        step = _step_shape(cfg, ranks, score_rows)
+        step = _step_shape(cfg, ranks, micro_batch, score_rows)
+    micro_tokens = _select(cfg, "ppo.max_tokens_per_micro_batch", None)
+    score_tokens = _select(cfg, "ppo.score_max_tokens_per_micro_batch", None)
     return PlanInputs(
         actor=actor,
         critic=critic,
@@ -395,8 +406,11 @@ def plan_inputs_from_config(
         master_bytes=dtype_bytes(MASTER_DTYPE),
         compute_bytes=dtype_bytes(_select(cfg, "dtype"), "dtype"),
         micro_batch=micro_batch,
-        seq_len=_prompt_len(cfg) + response,
+        seq_len=seq_len,
         response_len=response,
+        packed=bool(_select(cfg, "ppo.pack", True)),
+        micro_tokens=None if micro_tokens is None else int(micro_tokens),
+        score_tokens=None if score_tokens is None else int(score_tokens),
         activation_checkpointing=bool(_select(cfg, "activation_checkpointing")),
         logits_chunk=DEFAULT_CHUNK_SIZE,  # the recipe scores with the default chunk
         actor_optimizer=optimizer_spec(opt),
@@ -435,14 +449,15 @@ def plan_from_config(
     )
 
 
-def _step_shape(cfg: DictConfig, ranks: int, score_rows: int) -> Any:
-    """:class:`~minippo.plan.network.StepShape` of one training step on each of ``ranks``."""
+def _step_shape(cfg: DictConfig, ranks: int, micro_batch: int, score_rows: int) -> Any:
+    """:class:`~minippo.plan.network.StepShape` of one training step on each of ``ranks`` (with
+    token budgets: every sequence of the longest length, the most forwards)."""
     from minippo.plan.network import StepShape
 
     groups = int(_select(cfg, "rollout.groups_per_batch"))
     return StepShape(
         rows_per_rank=max(1, groups * int(_select(cfg, "rollout.samples_per_prompt")) // ranks),
-        micro_batch=_micro_batch_rows(cfg, ranks),
+        micro_batch=micro_batch,
         minibatches=int(_select(cfg, "ppo.minibatches")),
         epochs=int(_select(cfg, "ppo.epochs")),
         score_rows=score_rows,

@@ -5,7 +5,9 @@ dim-0 split; rank 0 holds the largest shard, so the plan is rank 0's. For a para
 ``(d0, ...)`` on W ranks the local shard has ``ceil(d0 / W) · prod(...)`` elements.
 
 What the plan counts (P = local parameter elements; m = master bytes per element, c = compute
-bytes; T = micro_batch · seq_len tokens, R = micro_batch · response_len scored tokens):
+bytes; T tokens per training forward: ``ppo.max_tokens_per_micro_batch`` (packed passes compute
+on real tokens only), else micro_batch · seq_len (every row as long as the longest allowed; the
+padded positions when ``ppo.pack: false``); R = T · response_len / seq_len scored tokens):
 
     parameters            P · m                                  (FSDP2 sharded master weights)
     gradients             P · m                                  (sharded, same dtype as params)
@@ -126,7 +128,7 @@ def _local(shapes: Iterable[Sequence[int]], world: int) -> list[int]:
 
 
 def block_saved_bytes_per_token(
-    args: Any, *, compute_bytes: int, mask: bool, device: str = "cuda"
+    args: Any, *, compute_bytes: int, mask: bool, device: str = "cuda", packed: bool = False
 ) -> int:
     """Bytes one decoder block saves for backward per token (no checkpointing).
 
@@ -139,10 +141,15 @@ def block_saved_bytes_per_token(
                         with a padding mask on a GPU H_kv' = H (the model repeats k/v for the
                         masked fused kernels, which lack GQA; the CPU kernel takes GQA with a
                         mask); otherwise H_kv' = H_kv. The additive mask itself is made once per
-                        forward and shared by the blocks: :func:`activation_bytes` counts it
+                        forward and shared by the blocks: :func:`activation_bytes` counts it.
+                        Packed (``packed``, no mask): H_kv' = H_kv (varlen and SDPA take GQA); on
+                        CPU + c·H·hd, the output gathered back from the attention buckets (the
+                        buckets' right padding, at most 1.41x their tokens, is not counted)
         SwiGLU          4·c·I (gate, up, silu(gate), their product)
     ``device``: "cuda" or "cpu" (where the block runs).
     """
+    if packed and mask:
+        raise ValueError("a packed pass has no padding mask: pass mask=False with packed=True")
     c, D, inter, hd = compute_bytes, args.dim, args.intermediate_size, args.head_dim
     H, Hkv = args.n_heads, args.n_kv_heads
     total = 2 * (4 * D + 4 + c * D)
@@ -151,6 +158,8 @@ def block_saved_bytes_per_token(
     # with a padding mask the masked fused GPU kernels take no GQA: k/v are repeated to H heads
     kv_heads = H if mask and device != "cpu" else Hkv
     total += c * hd * (2 * H + 2 * kv_heads) + 4 * H
+    if packed and device == "cpu":
+        total += c * H * hd
     total += 4 * c * inter
     return total
 
@@ -187,12 +196,16 @@ def activation_bytes(
     mask: bool = True,
     entropy: bool = True,
     device: str = "cuda",
+    tokens: int | None = None,
+    packed: bool = False,
 ) -> ActivationBytes:
     """Activations of ``micro_batch`` sequences of ``seq_len`` tokens, ``response_len`` of which
     are scored (actor: chunked logprobs over the vocabulary; critic: ``lm_head=False``, a scalar
-    head).
+    head); or, with ``tokens``, of a packed micro-batch of that many real tokens (sequences as
+    long as ``seq_len``, so ``tokens · response_len / seq_len`` scored). ``packed``: the packed
+    attention of :func:`block_saved_bytes_per_token` (then ``mask`` must be False).
 
-        T = micro_batch · seq_len, R = micro_batch · response_len, c = compute bytes
+        T = micro_batch · seq_len (or tokens), R = T · response_len / seq_len, c = compute bytes
         per block              block_saved_bytes_per_token · T   (checkpointed: c·T·D, the input)
         globals                8·T (token ids) + 2·c·T·hd (RoPE cos/sin) + final norm
                                (4·T·D + 4·T) + the scored hidden rows c·R·D (actor); with a
@@ -210,8 +223,11 @@ def activation_bytes(
     if not 0 <= response_len <= seq_len:
         raise ValueError(f"response_len ({response_len}) must be in [0, seq_len ({seq_len})]")
     c, D = compute_bytes, args.dim
-    T, R = micro_batch * seq_len, micro_batch * response_len
-    block = block_saved_bytes_per_token(args, compute_bytes=c, mask=mask, device=device)
+    T = micro_batch * seq_len if tokens is None else tokens
+    R = T * response_len // seq_len
+    block = block_saved_bytes_per_token(
+        args, compute_bytes=c, mask=mask, device=device, packed=packed
+    )
     block *= T
     blocks = args.n_layers * (c * T * D if checkpointing else block)
     globals_ = 8 * T + 2 * c * T * args.head_dim + (4 * T * D + 4 * T)
@@ -333,6 +349,11 @@ class PlanInputs:
         master_bytes:            bytes per element of the stored (sharded) parameters
         compute_bytes:           bytes per element of activations / all-gathered parameters
         micro_batch, seq_len, response_len: one training forward (sequences, tokens, scored)
+        packed:                  the passes compute on real tokens only (``ppo.pack``): no mask
+        micro_tokens:            real tokens per training forward (ppo.max_tokens_per_micro_batch;
+                                 None: micro_batch · seq_len)
+        score_tokens:            real tokens per no-grad forward
+                                 (ppo.score_max_tokens_per_micro_batch; None: score_rows · seq_len)
         activation_checkpointing, logits_chunk
         actor_optimizer / critic_optimizer: (OptimizerSpec, minimal_size)
         correction:              :class:`CorrectionCost` of the correction class
@@ -379,7 +400,9 @@ class PlanInputs:
     offload_trainer: bool = False
     engine_weights_host_copy: bool = False
     gpu_mem_bytes: int | None = None
-    mask: bool = True
+    packed: bool = False
+    micro_tokens: int | None = None
+    score_tokens: int | None = None
     fused_loss: bool = False
     nnodes: int = 1
     ranks_per_node: int | None = None
@@ -394,6 +417,20 @@ class PlanInputs:
     def ranks(self) -> int:
         """Ranks of the run: nnodes · ranks_per_node."""
         return self.nnodes * (self.ranks_per_node or self.world_size)
+
+    @property
+    def mask(self) -> bool:
+        """The passes build a ``[B, 1, S, S]`` padding mask: the padded passes (``ppo.pack:
+        false``)."""
+        return not self.packed
+
+    @property
+    def train_tokens(self) -> int:
+        """T, the tokens of one training forward: the budget (a sequence longer than it goes
+        alone), else micro_batch · seq_len."""
+        if self.micro_tokens is None:
+            return self.micro_batch * self.seq_len
+        return max(self.micro_tokens, self.seq_len)
 
     @property
     def sharded(self) -> bool:
@@ -567,16 +604,22 @@ class MemoryPlan:
             elif name.endswith("activations"):
                 if not x.activation_checkpointing:
                     out.append(f"{name}: activation_checkpointing=true (keeps one input per block)")
-                if x.micro_batch > 1:
+                if x.micro_tokens is not None:
+                    out.append(
+                        f"{name}: a smaller ppo.max_tokens_per_micro_batch (now {x.micro_tokens})"
+                    )
+                elif x.micro_batch > 1:
                     out.append(f"{name}: a smaller micro-batch (now {x.micro_batch} sequences)")
                 if x.mask:
                     out.append(
-                        f"{name}: the padding mask costs c·S² per sequence and block; shorter "
-                        "max sequence length reduces it quadratically"
+                        f"{name}: the padding mask costs c·S² per sequence and block; "
+                        "ppo.pack=true computes on the real tokens only, with no mask"
                     )
             elif name.startswith("no-grad"):
                 out.append(
-                    f"{name}: a smaller ppo.score_micro_batch_size (now "
+                    f"{name}: a smaller ppo.score_max_tokens_per_micro_batch (now {x.score_tokens})"
+                    if x.score_tokens is not None
+                    else f"{name}: a smaller ppo.score_micro_batch_size (now "
                     f"{x.score_rows or x.micro_batch} sequences per forward)"
                 )
             elif name.startswith("correction") and item.device:
@@ -649,8 +692,7 @@ class MemoryPlan:
                 f"parameters split over {x.world_size}"
             )
         lines = [
-            f"Per-rank memory plan ({ranks}, {x.device}; micro_batch "
-            f"{x.micro_batch} x seq_len {x.seq_len} ({x.response_len} response); activation "
+            f"Per-rank memory plan ({ranks}, {x.device}; {self._forward_text()}; activation "
             f"checkpointing {'on' if x.activation_checkpointing else 'off'})",
             "",
             f"{'item':<30}{where + ' ' + unit:>10}{'host ' + unit:>10}  note",
@@ -710,6 +752,15 @@ class MemoryPlan:
             lines.append("switches that shrink them:")
             lines.extend(f"  - {a}" for a in adv)
         return "\n".join(lines)
+
+    def _forward_text(self) -> str:
+        """One training forward, as the table's header says it."""
+        x = self.inputs
+        seq = f"seq_len {x.seq_len} ({x.response_len} response)"
+        if x.micro_tokens is not None:
+            return f"packed, {x.train_tokens} tokens per forward, {seq}"
+        what = "packed" if x.packed else "padded"
+        return f"{what}, micro_batch {x.micro_batch} x {seq}"
 
     def _traffic_lines(self) -> list[str]:
         """The bytes one training step sends across nodes under FSDP and HSDP, and what each
@@ -840,6 +891,8 @@ def _model_items(
         lm_head=not value_head,
         mask=x.mask,
         device=x.device,
+        tokens=x.train_tokens,
+        packed=x.packed,
     )
     return items, act
 
@@ -880,6 +933,8 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
         logits_chunk=x.logits_chunk,
         mask=x.mask,
         device=x.device,
+        tokens=x.train_tokens,
+        packed=x.packed,
     )
     without = f"{'without' if x.activation_checkpointing else 'with'} AC: {_size(alt.total)}"
     largest = max(a.total for _, a in acts)
@@ -971,9 +1026,11 @@ def scoring_bytes(
     logits_chunk: int,
     lm_head: bool = True,
     mask: bool = True,
+    tokens: int | None = None,
 ) -> int:
-    """Working memory of one no-grad forward over ``rows`` sequences (N = rows · seq_len tokens):
-    the largest set of intermediates alive at once, parameters excluded.
+    """Working memory of one no-grad forward over ``rows`` sequences (N = rows · seq_len tokens;
+    with ``tokens``, a packed forward of N = tokens real tokens and no mask): the largest set of
+    intermediates alive at once, parameters excluded.
 
         attention phase   c·N·(3D + (H + 2H_kv)·hd + 5H·hd) + c·rows·S² (the additive mask bias)
         MLP phase         c·N·(3D + 3I)
@@ -984,10 +1041,11 @@ def scoring_bytes(
     """
     c, D, inter, hd = compute_bytes, args.dim, args.intermediate_size, args.head_dim
     H, Hkv, S = args.n_heads, args.n_kv_heads, seq_len
-    N = rows * S
+    N = rows * S if tokens is None else tokens
+    scored = N * response_len // S
     attn = c * N * (3 * D + (H + 2 * Hkv) * hd + 5 * H * hd) + (c * rows * S * S if mask else 0)
     mlp = c * N * (3 * D + 3 * inter)
-    head = c * N * D + min(logits_chunk, max(rows * response_len, 1)) * args.vocab_size * 16
+    head = c * N * D + min(logits_chunk, max(scored, 1)) * args.vocab_size * 16
     always = (rows * S * S if mask else 0) + 2 * c * N * hd
     return max(attn, mlp, head if lm_head else 0) + always
 
@@ -996,6 +1054,7 @@ def _scoring_item(x: PlanInputs) -> PlanItem:
     """The no-grad passes of step 2 (reference logprobs, critic values, correction anchors), one
     model at a time over ``score_rows`` sequences per forward."""
     rows = x.score_rows or x.micro_batch
+    tokens = None if x.score_tokens is None else max(x.score_tokens, x.seq_len)
     passes = []
     if x.correction.scoring_passes > 0 or x.reference:
         passes.append(("actor", x.actor, True))
@@ -1015,15 +1074,17 @@ def _scoring_item(x: PlanInputs) -> PlanItem:
             logits_chunk=x.logits_chunk,
             lm_head=head,
             mask=x.mask,
+            tokens=tokens,
         )
         for name, args, head in passes
     }
     worst = max(sizes, key=sizes.get)
+    per = f"{rows} sequences" if tokens is None else f"{tokens} tokens"
     return PlanItem(
         "no-grad scoring passes",
         sizes[worst],
         phase="score",
-        note=f"{rows} sequences per forward ({worst} largest)",
+        note=f"{per} per forward ({worst} largest)",
         while_generating="freed",
     )
 

@@ -20,6 +20,10 @@ recipe (recipes/async_ppo.py):
                    the critic's ``value_loss`` backward (gradients accumulate), then the
                    optimizer steps and ``zero_grad``
 
+Packed passes (``ppo.pack``) pack every forward as the recipe does; a token budget's forward
+holds sequences of the longest length and one shorter one that fills the budget exactly (the
+most tokens a forward can carry). The layouts are made on the host from real masks.
+
 Values read back to the host (``float(loss)`` for logging) have no data under fake tensors: they
 read as 0, which decides no shape. Left out: the engine and the weight publish (the engine has its
 own memory); the correction's own code (its weights are allocated as declared); and
@@ -99,11 +103,28 @@ class _Call(nn.Module):
         return fn(self.model, *args, **kwargs)
 
 
+def _budget_mask(tokens: int, seq_len: int, response_len: int) -> torch.Tensor:
+    """Bool[rows, seq_len] on the host: a forward of exactly ``tokens`` real tokens, sequences of
+    the longest length and a last one with the rest (its prompt first, left-padded, then its
+    response, right-padded)."""
+    full, rest = divmod(tokens, seq_len)
+    mask = torch.ones(full + (rest > 0), seq_len, dtype=torch.bool)
+    if rest:
+        P = seq_len - response_len
+        prompt = min(rest, P)
+        mask[-1] = False
+        mask[-1, P - prompt : P + rest - prompt] = True
+    return mask
+
+
 def _batch(
-    args: Any, rows: int, seq_len: int, response_len: int, device: str
+    args: Any, rows: int, seq_len: int, response_len: int, device: str, mask: Any = None
 ) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, args.vocab_size, (rows, seq_len), device=device)
-    mask = torch.ones(rows, seq_len, dtype=torch.bool, device=device)
+    if mask is None:
+        mask = torch.ones(rows, seq_len, dtype=torch.bool, device=device)
+    else:  # a copy made in the step (the recipe moves its batch to the device)
+        mask = mask.to(device, copy=True)
     return {
         "input_ids": ids,
         "attention_mask": mask,
@@ -132,6 +153,43 @@ def _tracker() -> Any:
                     self._peak_mem_snap[dev] = deepcopy(snap)
 
     return PeakTracker()
+
+
+def _forwards(x: PlanInputs, rows: int) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """(host mask, packed layout) of one scoring and one training forward: the mask of a token
+    budget's forward (:func:`_budget_mask`; None without a budget: full rows), the layout of
+    the forward's rows (None for padded passes)."""
+    from minippo.models import pack
+
+    S, P0 = x.seq_len, x.seq_len - x.response_len
+    out = []
+    for tokens, n_rows in ((x.score_tokens, x.score_rows or rows), (x.micro_tokens, x.micro_batch)):
+        mask = None
+        if x.packed and tokens is not None:
+            mask = _budget_mask(max(tokens, S), S, x.response_len)
+        layout = None
+        if x.packed:
+            real = torch.ones(min(n_rows, rows), S, dtype=torch.bool) if mask is None else mask
+            layout = pack(real, start=P0)
+        out.append((mask, layout))
+    return out[0], out[1]
+
+
+def _copied(layout: Any) -> Any:
+    """``layout`` with a copy of each tensor made now (under the fake mode: fake copies)."""
+    if layout is None:
+        return None
+    from dataclasses import fields, replace
+
+    copies = {
+        f.name: getattr(layout, f.name).clone()
+        for f in fields(layout)
+        if isinstance(getattr(layout, f.name), torch.Tensor)
+    }
+    buckets = tuple(
+        b._replace(tokens=b.tokens.clone(), slots=b.slots.clone()) for b in layout.buckets
+    )
+    return replace(layout, **copies, buckets=buckets)
 
 
 def _rows(b: dict[str, torch.Tensor], i: int, n: int) -> dict[str, torch.Tensor]:
@@ -176,6 +234,7 @@ def measure_step(
             f"({x.micro_batch}) sequences"
         )
     t0 = time.perf_counter()
+    forwards = _forwards(x, rows)  # real host tensors, before the fake mode and the tracker
     mesh = None
     if x.sharded:
         if dist.is_initialized():
@@ -190,7 +249,8 @@ def measure_step(
         mesh = init_device_mesh(device, (x.world_size,))  # outside the fake mode: real ranks
     try:
         with (
-            FakeTensorMode() if fake else contextlib.nullcontext(),
+            # the packed layouts are real host tensors (made from real masks) among fake ones
+            FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
             torch.device(device),
             torch.compiler.set_stance("force_eager"),  # torchao compiles its step
         ):
@@ -198,7 +258,7 @@ def measure_step(
             tracker = _tracker()
             tracker.track_external(*[m for m in models if m is not None], *opts, *stored)
             with tracker, _HostScalarsReadZero():
-                _step(x, *models, opts, rows, micro_batches, device)
+                _step(x, *models, opts, rows, micro_batches, device, forwards)
             snap = tracker.get_tracker_snapshot("peak")
     finally:
         if mesh is not None:
@@ -264,8 +324,11 @@ def _step(
     rows: int,
     micro_batches: int,
     device: str,
+    forwards: tuple[tuple[Any, Any], tuple[Any, Any]],
 ) -> None:
     """Steps 2 and 4 of the recipe on one batch of ``rows`` sequences (see the module docstring).
+    ``forwards``: (host mask, packed layout) of a scoring and of a training forward
+    (:func:`_forwards`).
 
     Each no-grad pass runs one forward over ``score_rows`` sequences; the other chunks of the
     batch would repeat it exactly, so only their outputs are allocated before the concatenation.
@@ -278,10 +341,15 @@ def _step(
     )
     from minippo.rl import policy_loss, split_critic_values, value_loss
 
-    P0, mb_rows = x.seq_len - x.response_len, x.micro_batch
-    n = min(x.score_rows or rows, rows)
-    batch = _batch(x.actor, rows, x.seq_len, x.response_len, device)
+    P0, S = x.seq_len - x.response_len, x.seq_len
+    (score_mask, score_layout), (micro_mask, mb_layout) = forwards
+    n = min(x.score_rows or rows, rows) if score_mask is None else score_mask.shape[0]
+    mb_rows = x.micro_batch if micro_mask is None else micro_mask.shape[0]
+    batch = _batch(x.actor, max(rows, micro_batches * mb_rows, n), S, x.response_len, device)
+    rows = batch["input_ids"].shape[0]
     mask = batch["response_mask"]
+    # the recipe copies each layout to the device: a copy allocated in the step
+    score_layout, mb_layout = _copied(score_layout), _copied(mb_layout)
 
     calls: list[_Call] = []
 
@@ -295,8 +363,10 @@ def _step(
             **kw,
         )
 
+    score_batch = _batch(x.actor, n, S, x.response_len, device, score_mask)
+
     def scored(fn: Any, model: nn.Module, **kw: Any) -> torch.Tensor:
-        first = forward(fn, model, _rows(batch, 0, n), **kw)
+        first = forward(fn, model, score_batch, packed=score_layout, **kw)
         rest = [first.new_empty(min(n, rows - i), *first.shape[1:]) for i in range(n, rows, n)]
         return torch.cat([first, *rest])
 
@@ -315,20 +385,26 @@ def _step(
     advantages = torch.zeros_like(mask)
     for i in range(0, micro_batches * mb_rows, mb_rows):
         mb = _rows(batch, i, mb_rows)
+        if micro_mask is not None:
+            mb = _batch(x.actor, mb_rows, S, x.response_len, device, micro_mask)
         m, sl = mb["response_mask"], slice(i, i + mb_rows)
         if x.fused_loss:  # the lm_head and the policy loss in one pass (ppo.fused_loss)
             spec = FusedLossSpec(
                 anchor_logprobs=anchors[sl], advantages=advantages[sl], response_mask=m
             )
-            loss = forward(fused_policy_loss, actor, mb, spec=spec, **logprobs).loss
+            loss = forward(
+                fused_policy_loss, actor, mb, spec=spec, packed=mb_layout, **logprobs
+            ).loss
         else:
-            logp, entropy = forward(token_logprobs_and_entropy, actor, mb, **logprobs)
+            logp, entropy = forward(
+                token_logprobs_and_entropy, actor, mb, packed=mb_layout, **logprobs
+            )
             loss, _ = policy_loss(logp, anchors[sl], advantages[sl], m)
             del logp, entropy
         loss.backward()
         del loss
         if critic is not None:
-            v, _ = split_critic_values(forward(values_of, critic, mb), m)
+            v, _ = split_critic_values(forward(values_of, critic, mb, packed=mb_layout), m)
             vloss, _ = value_loss(v, values[sl], advantages[sl], m)
             vloss.backward()
             del v, vloss

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from minippo.config import load_config
-from tests.distributed.test_one_vs_two_ranks import _copy, _critic_head, _moved_reference
+from tests.distributed.test_one_vs_two_ranks import _copy, _live_weights
 from tests.helpers import FIXED_BATCH_OVERRIDES, fixed_rollout_batch, recipe_on_fixed_batches
 
 U = torch.finfo(torch.float32).eps / 2  # unit roundoff 2⁻²⁴
@@ -56,7 +56,7 @@ CASES = {
 
 
 def _step(out: Path, name: str, fused: bool, rank: int, world: int) -> dict | None:
-    from minippo.parallel import gather_full_state_dict, load_full_state_dict
+    from minippo.parallel import gather_full_state_dict
     from minippo.training.metrics import read_jsonl
 
     run = out / f"{name}-{world}-{'fused' if fused else 'unfused'}"
@@ -64,14 +64,7 @@ def _step(out: Path, name: str, fused: bool, rank: int, world: int) -> dict | No
     cfg = load_config("tiny_cpu", [*overrides, f"ppo.fused_loss={str(fused).lower()}"])
     with recipe_on_fixed_batches(cfg, lambda step: batch, rank, world) as recipe:
         batch = fixed_rollout_batch(recipe.actor.args, actor_seed=cfg.seed)
-        if recipe.ref is not None:
-            load_full_state_dict(
-                recipe.ref, _moved_reference(recipe.actor.args, cfg.seed), device="cpu"
-            )
-        if recipe.critic is not None:
-            load_full_state_dict(
-                recipe.critic, _critic_head(recipe.critic.args, cfg.seed + 1), device="cpu"
-            )
+        _live_weights(recipe, cfg.seed)
         before = _copy(gather_full_state_dict(recipe.actor))
         recipe.train()
         after = _copy(gather_full_state_dict(recipe.actor))

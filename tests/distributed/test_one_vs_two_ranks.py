@@ -69,10 +69,26 @@ def _moved_reference(args, seed: int) -> dict:
     return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in sd.items()}
 
 
+def _live_weights(recipe, seed: int) -> dict:
+    """Load the moved reference and the critic with a live head into a set-up recipe (seed: the
+    config's); returns the models the step trains, by name."""
+    from minippo.parallel import load_full_state_dict
+
+    models = {"actor": recipe.actor}
+    if recipe.ref is not None:
+        load_full_state_dict(recipe.ref, _moved_reference(recipe.actor.args, seed), device="cpu")
+    if recipe.critic is not None:
+        load_full_state_dict(
+            recipe.critic, _critic_head(recipe.critic.args, seed + 1), device="cpu"
+        )
+        models["critic"] = recipe.critic
+    return models
+
+
 def train_one_step(out: Path, name: str, rank: int, world: int) -> dict | None:
     """One recipe step of case ``name``; returns (on rank 0) the full weights before and after,
     and the logged metrics."""
-    from minippo.parallel import gather_full_state_dict, load_full_state_dict
+    from minippo.parallel import gather_full_state_dict
     from minippo.training.metrics import read_jsonl
 
     run = out / f"{name}-{world}"
@@ -80,16 +96,7 @@ def train_one_step(out: Path, name: str, rank: int, world: int) -> dict | None:
     result = {}
     with recipe_on_fixed_batches(cfg, lambda step: batch, rank, world) as recipe:
         batch = fixed_rollout_batch(recipe.actor.args, actor_seed=cfg.seed)
-        models = {"actor": recipe.actor}
-        if recipe.ref is not None:
-            load_full_state_dict(
-                recipe.ref, _moved_reference(recipe.actor.args, cfg.seed), device="cpu"
-            )
-        if recipe.critic is not None:
-            load_full_state_dict(
-                recipe.critic, _critic_head(recipe.critic.args, cfg.seed + 1), device="cpu"
-            )
-            models["critic"] = recipe.critic
+        models = _live_weights(recipe, cfg.seed)
         # copies (unsharded, the gathered dict holds the parameters themselves)
         before = {k: _copy(gather_full_state_dict(m)) for k, m in models.items()}
         recipe.train()

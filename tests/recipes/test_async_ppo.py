@@ -271,6 +271,12 @@ RESUME_CASES = {
     ],
     # the carried groups (partial tokens included) are saved and continue after the resume
     "alternate": ["rollout.mode=alternate", "rollout.oversample=1.5"],
+    # packed forwards in micro-batches of a token budget, scoring passes too
+    "token_budget": [
+        "ppo.micro_batch_size=null",
+        "ppo.max_tokens_per_micro_batch=40",
+        "ppo.score_max_tokens_per_micro_batch=100",
+    ],
 }
 
 
@@ -319,6 +325,8 @@ def test_bad_configs_fail_before_anything_is_built(tmp_path):
         "ppo.score_micro_batch_size=0": "score_micro_batch_size must be an integer >= 1 or null, got 0",
         "dtype=bf16": "run `minippo run --nproc-per-node 1 async_ppo ...`, or set dtype=fp32",
         "kl.coef=0.1 kl.mode=loss kl.estimator=k1": "set kl.estimator=k2",
+        "ppo.micro_batch_size=4 ppo.max_tokens_per_micro_batch=64": "set one of them to null",
+        "ppo.pack=false ppo.score_max_tokens_per_micro_batch=64": "set ppo.pack=true",
     }
     for override, message in cases.items():
         cfg = load_config("tiny_cpu", [f"output_dir={out}", *override.split()])

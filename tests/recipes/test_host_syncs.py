@@ -3,7 +3,8 @@
 Every ``.item()``, ``.tolist()``, ``float(t)``, ``int(t)`` and ``bool(t)`` of a tensor waits for the
 device (a CUDA sync). Inside ``_ppo_updates`` the recipe needs exactly one per optimizer step and
 model (the non-finite guard decides whether to step) and one at the end (the step's statistics,
-copied together). This test counts them, in the trainer's thread, by patching those methods.
+copied together). The micro-batches and their packed layouts are planned before it
+(``_update_plan``) from the batch's host copy, so they read nothing from the device. This test counts them, in the trainer's thread, by patching those methods.
 Calls made by torch itself are not counted: the optimizers read their step counters with
 ``.item()``, but those live on the host (``capturable=False``), so reading them never waits for
 the device.

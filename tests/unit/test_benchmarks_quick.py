@@ -55,6 +55,12 @@ MARKERS = {
         "| TRL GRPOTrainer, 1 thread |",
         "| gen s/step | update s/step |",
     ],
+    "packing.py": [
+        "| padded |",
+        "| packed, budget |",
+        "real/processed: 1.000 (padded: ",
+        "\nspeedup: ",
+    ],
     "step_overhead.py": [
         "| phase | wall ms | matmul/attention ms | non-matmul ms |",
         "| publish |",

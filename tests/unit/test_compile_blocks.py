@@ -15,6 +15,7 @@ from minippo.models import (
     Transformer,
     ValueModel,
     init_weights,
+    pack,
     qwen3_tiny,
     token_logprobs_and_entropy,
 )
@@ -59,19 +60,29 @@ REL = 1e-4
 
 
 @pytest.mark.slow
-def test_compiled_forward_and_backward_equal_the_eager_ones():
+@pytest.mark.parametrize("packed", [False, True])
+def test_compiled_forward_and_backward_equal_the_eager_ones(packed):
+    """Also packed (ppo.pack: the bucketed attention runs eagerly between the compiled parts of
+    each block), on rows of several lengths."""
     torch.manual_seed(0)
     eager = _tiny()
     compiled = parallel.compile_blocks(copy.deepcopy(eager))
-    for rows, length in ((16, 10), (8, 13)):  # a second shape: the dynamic recompile
+    for rows, length in ((16, 10), (8, 13), (8, 12)):  # more shapes: the dynamic recompile
         ids = torch.randint(0, 50, (rows, length))
+        kw = {}
+        if packed:  # left-padded prompts of 1..6 tokens, right-padded responses of 0..length-6
+            mask = torch.zeros(rows, length, dtype=torch.bool)
+            for r in range(rows):
+                mask[r, 6 - (1 + r % 6) : 6 + (r * 5) % (length - 5)] = True
+            kw = dict(position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0) * mask)
+            kw["packed"] = pack(mask, start=6)
         out = {}
         for name, model in (("eager", eager), ("compiled", compiled)):
             model.zero_grad(set_to_none=True)
-            lp, ent = token_logprobs_and_entropy(model, ids, start=6)
+            lp, ent = token_logprobs_and_entropy(model, ids, start=6, **kw)
             (lp.sum() + 0.01 * ent.sum()).backward()
             with torch.no_grad():  # the scoring passes (anchors, critic values)
-                lp_ng, _ = token_logprobs_and_entropy(model, ids, start=6)
+                lp_ng, _ = token_logprobs_and_entropy(model, ids, start=6, **kw)
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
             out[name] = (lp.detach(), ent.detach(), lp_ng, grads)
         (lp_e, ent_e, ng_e, g_e), (lp_c, ent_c, ng_c, g_c) = out["eager"], out["compiled"]

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import math
 import runpy
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from minippo.models import (
     ValueModel,
     init_weights,
     llama3_2_1b,
+    pack,
     qwen3_4b,
     qwen3_tiny,
     token_logprobs,
@@ -99,9 +101,10 @@ def _saved_bytes(model, tokens, mask, positions) -> int:
     return n
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["qwen3", "llama_mha"])
-def test_block_activation_formula_is_exact(dtype, variant):
+def test_block_activation_formula_is_exact(dtype, variant, packed):
     args = qwen3_tiny()
     if variant == "llama_mha":  # no q/k norm, as many kv heads as heads, another width
         args = dataclasses.replace(args, qk_norm=False, n_kv_heads=4, intermediate_size=96)
@@ -115,12 +118,25 @@ def test_block_activation_formula_is_exact(dtype, variant):
     for n_layers in (1, 3):
         a = dataclasses.replace(args, n_layers=n_layers)
         model = init_weights(Transformer(a)).to(dtype)
-        saved[n_layers] = _saved_bytes(model, tokens, mask, positions)
+        if packed:  # two sequences of 21 and 24 tokens: one attention bucket, 3 slots of padding
+            layout = pack(mask)
+            saved[n_layers], _ = saved_bytes(
+                model, partial(model, tokens, packed=layout, return_hidden=True)
+            )
+        else:
+            saved[n_layers] = _saved_bytes(model, tokens, mask, positions)
     per_block = (saved[3] - saved[1]) // 2
-    assert (
-        per_block
-        == block_saved_bytes_per_token(args, compute_bytes=c, mask=True, device="cpu") * B * S
-    )
+    if packed:
+        # the bucket's right padding (not in the formula): q, k, v and the output at its 3 slots
+        H, Hkv, hd = args.n_heads, args.n_kv_heads, args.head_dim
+        padding = 3 * c * hd * (2 * H + 2 * Hkv) + 3 * 4 * H
+        formula = block_saved_bytes_per_token(
+            args, compute_bytes=c, mask=False, device="cpu", packed=True
+        )
+        assert per_block == formula * (B * S - 3) + padding
+    else:
+        formula = block_saved_bytes_per_token(args, compute_bytes=c, mask=True, device="cpu")
+        assert per_block == formula * B * S
 
 
 def test_tracker_counts_live_storages_and_peak():
@@ -357,6 +373,38 @@ def test_plan_from_config_for_a_4b_model_on_8_gpus():
     assert plan.fits is (plan.device_total <= 141 * GiB)
     text = plan.table()
     assert "actor optimizer states" in text and "biggest:" in text
+
+
+def test_packed_passes_plan_the_budget_tokens_and_no_mask():
+    """The shipped 4B config packs with a budget of 20480 tokens per training forward (4 x 5120,
+    its longest sequence): the activations are those of 20480 real tokens; the same forwards
+    padded (4 rows of 5120) add the additive mask c·T·S and, on a GPU, the key/value heads
+    repeated for the masked kernels (c·hd·2·(H − H_kv) per token, in the block recomputed under
+    activation checkpointing), nothing else."""
+    over = ["checkpoint_path=null", "model={_component_: minippo.models.qwen3_4b}"]
+    cfg = load_config("qwen3_4b_dapo_math_8gpu", over)
+    x = plan_inputs_from_config(cfg, world_size=8)
+    assert x.packed and not x.mask and x.micro_tokens == x.train_tokens == 20480
+    assert x.seq_len == 5120 and x.micro_batch == 4 and x.score_rows == 16
+    padded_cfg = load_config(
+        "qwen3_4b_dapo_math_8gpu",
+        [
+            *over,
+            "ppo.pack=false",
+            "ppo.micro_batch_size=4",
+            "ppo.max_tokens_per_micro_batch=null",
+            "ppo.score_micro_batch_size=16",
+            "ppo.score_max_tokens_per_micro_batch=null",
+        ],
+    )
+    padded = plan_inputs_from_config(padded_cfg, world_size=8)
+    assert padded.mask and padded.train_tokens == 20480
+    a = _item(plan_memory(x), "actor activations").device
+    b = _item(plan_memory(padded), "actor activations").device
+    args, c, T, S = x.actor, x.compute_bytes, 20480, 5120
+    repeat = c * args.head_dim * 2 * (args.n_heads - args.n_kv_heads)
+    assert x.activation_checkpointing
+    assert b - a == c * T * S + repeat * T
 
 
 def test_switches_shrink_what_they_should():
@@ -597,18 +645,36 @@ def _tiny_cfg(*over):
     )
 
 
+# token budgets that are no multiple of the toy task's 10-token rows: a shorter last row
+BUDGETS = (
+    "ppo.micro_batch_size=null",
+    "ppo.max_tokens_per_micro_batch=57",
+    "ppo.score_micro_batch_size=null",
+    "ppo.score_max_tokens_per_micro_batch=150",
+)
+
+
 @pytest.mark.skipif(not TINY.exists(), reason="needs configs/tiny_cpu.yaml")
 @pytest.mark.parametrize(
-    ("ranks", "dtype", "fused"), [(1, "fp32", "true"), (1, "fp32", "false"), (2, "bf16", "true")]
+    ("ranks", "dtype", "fused", "over"),
+    [
+        (1, "fp32", "true", ()),
+        (1, "fp32", "false", ()),
+        (2, "bf16", "true", ()),
+        (1, "fp32", "true", BUDGETS),
+        (1, "fp32", "true", ("ppo.pack=false",)),
+    ],
 )
-def test_the_fake_tensor_step_allocates_what_the_real_step_does(ranks, dtype, fused):
+def test_the_fake_tensor_step_allocates_what_the_real_step_does(ranks, dtype, fused, over):
     """One recipe step of tiny_cpu (actor, critic, AdamW, activation checkpointing, the fake
     correction's stored copies, the fused or the unfused policy loss; on 2 ranks FSDP2 over the
-    fake process group in bf16):
+    fake process group in bf16; packed, also with token budgets, and padded):
     FakeTensorMode gives every tensor its real shape and dtype and only leaves out the data, and
     the same ops run on the same shapes, so the peak of live bytes is the same to the byte as on
     real tensors."""
-    cfg = _tiny_cfg("activation_checkpointing=true", f"dtype={dtype}", f"ppo.fused_loss={fused}")
+    cfg = _tiny_cfg(
+        "activation_checkpointing=true", f"dtype={dtype}", f"ppo.fused_loss={fused}", *over
+    )
     fake = measure_from_config(cfg, world_size=ranks)
     real = measure_from_config(cfg, world_size=ranks, fake=False)
     assert fake.peak == real.peak > 0

@@ -512,10 +512,14 @@ def test_table_matches_backend_source():
     assert used_classes == {u.name for u in SGLANG_API if u.kind == "class"} - {
         "MultiprocessingSerializer"  # only its method is called
     }
-    # attributes read on the engine are listed
+    # attributes read on the engine are listed (a listed method may also be referenced, e.g.
+    # handed to atexit.unregister)
     for attr in uses["attributes"]:
-        assert attr in table and table[attr].kind == "attribute", f"{attr} not in SGLANG_API"
-    assert set(uses["attributes"]) == {u.name for u in SGLANG_API if u.kind == "attribute"}
+        assert attr in table and table[attr].kind in ("attribute", "method"), (
+            f"{attr} not in SGLANG_API"
+        )
+    read = {a for a in uses["attributes"] if table[a].kind == "attribute"}
+    assert read == {u.name for u in SGLANG_API if u.kind == "attribute"}
     # every key read from an SGLang output is a listed literal
     literals = set().union(*(u.keywords for u in SGLANG_API if u.kind == "literal"))
     assert uses["keys"] and uses["keys"] <= literals, uses["keys"] - literals

@@ -389,13 +389,15 @@ def test_every_shipped_config_validates():
 
 
 # Mean reward over the last 5 steps of tiny_cpu, seeds 0-2, measured on a 2-core Intel Xeon (torch
-# 2.13.0+cpu): as shipped, with rollout.sync_every=3, and in alternate mode with oversample 1.5.
-# The spread is pooled over the three (alternate's seeds all end at the ceiling, s 0.0006): s =
-# 0.032; the bounds: mean of 3 seeds >= m - 2 s / sqrt(3), each seed >= m - 3 s
+# 2.13.0+cpu): as shipped, with rollout.sync_every=3, and in alternate mode with oversample 1.5;
+# each list holds the padded passes' runs (the first three) and the packed passes' (the last three,
+# the code as shipped: the same seeds, other rounding, as another machine's kernels give). The
+# spread is pooled over the three variants (alternate's padded seeds all end at the ceiling): s =
+# 0.044; the bounds: mean of 3 seeds >= m - 2 s / sqrt(3), each seed >= m - 3 s
 # (tests/recipes/seeds.py).
-DEFAULT_LAST_5 = [0.9945, 0.9309, 0.9941]  # m 0.973: mean >= 0.936, each >= 0.877
-SYNC_EVERY_3_LAST_5 = [0.9715, 0.8973, 0.9676]  # m 0.945: mean >= 0.908, each >= 0.849
-ALTERNATE_LAST_5 = [0.9949, 0.9938, 0.9945]  # m 0.994: mean >= 0.957, each >= 0.898
+DEFAULT_LAST_5 = [0.9945, 0.9309, 0.9941, 0.9938, 0.8422, 0.9926]  # m 0.958: >= 0.907, 0.826
+SYNC_EVERY_3_LAST_5 = [0.9715, 0.8973, 0.9676, 0.9715, 0.8941, 0.9676]  # 0.945: >= 0.894, 0.813
+ALTERNATE_LAST_5 = [0.9949, 0.9938, 0.9945, 0.9949, 0.9387, 0.9934]  # 0.985: >= 0.934, 0.853
 TINY_CPU_SPREAD = pooled_stdev(DEFAULT_LAST_5, SYNC_EVERY_3_LAST_5, ALTERNATE_LAST_5)
 
 

@@ -321,7 +321,9 @@ def engine_ports(base_port: int, local_rank: int, port_stride: int) -> tuple[int
     """``(port, nccl_port)`` of the engine of ``local_rank``.
 
     port = base_port + local_rank * port_stride,  nccl_port = port + 1.
-    ``port`` is SGLang's (health-check) server port; each rank's engine needs its own pair.
+    ``port`` is SGLang's server port, which an engine started in-process never binds (its own
+    messages go through ipc:// files); its scheduler listens on ``nccl_port``. Each rank's engine
+    needs its own pair.
     """
     if port_stride < 2:
         raise ValueError(

@@ -129,7 +129,6 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
             "loss_agg_mode": Str(("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")),
             "max_grad_norm": Float(gt=0),
             "whiten_advantages": Bool(),
-            "fused_loss": Bool(optional=True),
         }
     ),
     "kl": Section(

@@ -68,7 +68,8 @@ class AsyncPPORecipe:
        micro-batches (``ppo.max_tokens_per_micro_batch`` tokens or ``ppo.micro_batch_size``
        rows): the clipped policy loss x IS weights, fused with the lm_head (+ β·KL with
        ``kl.mode: loss``), and the clipped value loss; the first ``critic.warmup_steps`` train
-       only the critic. A non-finite loss or gradient norm skips that optimizer step.
+       only the critic. A non-finite loss or gradient norm skips that optimizer step. Each LR
+       schedule advances once per step in which its optimizer stepped.
     5. publish, every ``rollout.sync_every`` steps: every rank gathers the full weights bucket by
        bucket into its own engine as version ``(step + 1) // sync_every``.
     6. log; every ``checkpoint.every_n_steps`` an atomic checkpoint to resume exactly from.
@@ -341,10 +342,13 @@ class AsyncPPORecipe:
             train_actor = not (self.use_critic and step < cfg.critic.warmup_steps)
             plan = self._update_plan(step, rollouts.batch.attention_mask, batch.prompt_len)
             inputs = (batch, corr, advantages, returns, values, ref_logprobs, train_actor)
-            metrics |= self._ppo_updates(step, plan, *inputs) | corr.metrics()
-            if train_actor:  # the actor's schedule starts with its first update
+            updates, stepped = self._ppo_updates(step, plan, *inputs)
+            metrics |= updates | corr.metrics()
+            # a schedule advances after a step in which its optimizer stepped: the actor's starts
+            # with its first update, a step whose updates were all skipped (non-finite) is not one
+            if stepped["actor"]:
                 self.scheduler.step()
-            if self.critic_scheduler is not None:
+            if stepped["critic"]:
                 self.critic_scheduler.step()
 
             # step 5. publish version (step + 1) / sync_every into every rank's engine
@@ -435,13 +439,15 @@ class AsyncPPORecipe:
 
     def _ppo_updates(
         self, step, plan, batch, corr, advantages, returns, old_values, ref_logprobs, train_actor
-    ) -> dict[str, float]:
+    ) -> tuple[dict[str, float], dict[str, bool]]:
         """Step 4 along ``plan`` (:meth:`_update_plan`). A micro-batch's loss is its share of the
         minibatch loss over all ranks (global token/sequence counts): shares add up over
         micro-batches by gradient accumulation and over ranks by FSDP's gradient sum, whatever
         rows each micro-batch holds. Statistics stay on the device until ``result()``; the only
-        other host syncs are the finite checks, one per optimizer step."""
+        other host syncs are the finite checks, one per optimizer step. Returns (the statistics,
+        whether the actor's and the critic's optimizer stepped at least once)."""
         stats = MetricAverager()  # per-token stats weigh by tokens, minibatch values by 1
+        stepped = {"actor": False, "critic": False}
         clip = dict(max_norm=self.ppo.max_grad_norm, step=step)  # non-finite: the step is skipped
         for micros in plan:
             counts = rl.global_counts(batch.response_mask[torch.cat([m for m, _ in micros])])
@@ -467,16 +473,18 @@ class AsyncPPORecipe:
                 norm, ok = clip_and_step(self.actor, self.optimizer, guard, loss, **clip)
                 if ok:
                     self.correction.after_optimizer_step(self.actor)  # EWMA's θ̄ update
+                stepped["actor"] |= ok
                 stats.add({"train/grad_norm": norm})
             if self.use_critic:
                 loss, guard = shares["train/value_loss"], self.critic_guard
-                norm, _ = clip_and_step(self.critic, self.critic_optimizer, guard, loss, **clip)
+                norm, ok = clip_and_step(self.critic, self.critic_optimizer, guard, loss, **clip)
+                stepped["critic"] |= ok
                 stats.add({"train/critic_grad_norm": norm})
             stats.add(shares)
         out = stats.result()
         skipped = self.actor_guard.skipped_total + self.critic_guard.skipped_total
         out["train/nonfinite_skipped_total"] = float(skipped)
-        return out
+        return out, stepped
 
     def _actor_backward(self, mb, rows, corr, advantages, ref_logprobs, counts, layout):
         """Backward of one micro-batch's policy loss (+ β·KL with ``kl.mode: loss``); returns (its

@@ -5,7 +5,8 @@
   every correction; for EWMA at step 0 that output is also checked against θ̄ = θ₀ computed here);
 * the importance weights scale the gradient: a batch whose weights are all the TIS cap gives an
   update that scales with the cap;
-* the critic's non-finite guard skips the critic's step and nothing else;
+* the critic's non-finite guard skips the critic's step and nothing else, and the critic's LR
+  schedule does not advance for a step its optimizer skipped (no torch warning either);
 * a short run learns: the reward rises by a margin (tests/recipes/test_async_ppo.py keeps the
   run pinned to one machine's numbers, which only holds on the machine that pinned it).
 
@@ -191,7 +192,12 @@ def test_importance_weights_scale_the_gradient(tmp_path):
     assert max(float((a2[k] - before[k]).abs().max()) for k in before) > 1e-3
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # lr_scheduler.step() before optimizer.step()
 def test_non_finite_critic_loss_skips_only_the_critic_step(tmp_path, monkeypatch):
+    """The critic's only optimizer step of the run is skipped: the critic and its optimizer state
+    stay as they were, and its LR schedule does not advance (a schedule counts the steps in which
+    its optimizer stepped: torch warns when one advances before its optimizer ever stepped); the
+    actor trains and its schedule advances."""
     cfg = config(tmp_path, "nan_critic", "ppo.max_grad_norm=1e9")
     real_value_loss = rl.value_loss
 
@@ -209,6 +215,8 @@ def test_non_finite_critic_loss_skips_only_the_critic_step(tmp_path, monkeypatch
             assert torch.equal(v, critic0[k]), k  # the critic step was skipped
         assert any(not torch.equal(v, actor0[k]) for k, v in recipe.actor.state_dict().items())
         assert recipe.critic_guard.skipped_total == 1 and recipe.actor_guard.skipped_total == 0
+        assert recipe.critic_scheduler.last_epoch == 0  # not advanced: no critic step was taken
+        assert recipe.scheduler.last_epoch == 1  # the actor stepped: its schedule advanced
         assert recipe.critic_optimizer.state == {} or all(
             torch.isfinite(t).all()
             for s in recipe.critic_optimizer.state.values()

@@ -6,9 +6,9 @@ lm_head, and its gradient goes through the same reduce-scatter).
 
 Each case runs one recipe step on the 8 fixed rollouts of tests.helpers twice, as shipped and
 with the reference micro-step, from the same weights; the SGD updates must agree. Cases: GAE +
-critic with the default EWMA correction and gradient clipping active; critic-free GRPO with the KL in the loss (k3), TIS
-weights and seq-mean-token-mean (one update per step: the anchor is the training forward's own
-logprob, formed chunk by chunk inside the fused pass); loglinear_prox (an anchor that follows the
+critic with the default EWMA correction and gradient clipping active; critic-free GRPO with the
+KL in the loss (k3), TIS weights and seq-mean-token-mean (one update per step: the anchor is the
+training forward's own logprob, formed chunk by chunk inside the fused pass); loglinear_prox (an anchor that follows the
 current policy, also formed inside the pass) with the dual clip and seq-mean-token-sum; TIS at
 sequence level in mask mode (weights that need whole rows: the fused path's extra no-grad forward).
 """

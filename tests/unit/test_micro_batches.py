@@ -76,7 +76,7 @@ def test_split_rows_by_rows_by_tokens_or_whole():
 
 
 def _host_mask(prompt: int, lengths: list[int]):
-    """Bool[B, prompt + max(lengths)]: a left-padded prompt of 2 tokens, then each row's response."""
+    """Bool[B, prompt + max(lengths)]: a left-padded prompt of 2 tokens, then each response."""
     import torch
 
     mask = torch.zeros(len(lengths), prompt + max(lengths), dtype=torch.bool)

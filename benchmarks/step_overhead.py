@@ -64,7 +64,7 @@ PHASES = {
     "advantages": "rl.gae, rl.explained_variance, rl.masked_whiten, rl.group_advantages",
     "forward+backward": "_actor_backward, _critic_backward (losses and their backward)",
     "loss statistics": "_add_shares, MetricAverager.result",
-    "clip+optimizer": "_clip_and_step (clip_grad_norm_, finite check, optimizer.step, zero_grad)",
+    "clip+optimizer": "clip_and_step (clip_grad_norm_, finite check, optimizer.step, zero_grad)",
     "correction update": "correction.after_optimizer_step (EWMA)",
     "publish": "_publish (weights into the engine process)",
     "metrics+logging": "gather_and_reduce, logger.log, progress.update",
@@ -87,6 +87,7 @@ class PhaseClock:
         self.on = False
         self.depth = 0
         self.seconds: dict[str, float] = defaultdict(float)
+        self.wrapped: set[str] = set()  # the phases with a method wrapped
 
     def wrap(self, obj, attr: str, label: str) -> None:
         """Replace ``obj.attr`` by a call of it inside ``record_function(label)``, timed."""
@@ -106,6 +107,7 @@ class PhaseClock:
                     self.seconds[label] += time.perf_counter() - t0
 
         setattr(obj, attr, wrapped)
+        self.wrapped.add(label)
 
 
 def _wrap_phases(clock: PhaseClock, recipe, recipe_mod) -> None:
@@ -124,15 +126,21 @@ def _wrap_phases(clock: PhaseClock, recipe, recipe_mod) -> None:
         ("forward+backward", recipe, "_critic_backward"),
         ("loss statistics", recipe, "_add_shares"),
         ("loss statistics", MetricAverager, "result"),
-        ("clip+optimizer", recipe, "_clip_and_step"),
+        ("clip+optimizer", recipe_mod, "clip_and_step"),
+        ("clip+optimizer", recipe, "_clip_and_step"),  # the recipe's method before clip_and_step
         ("correction update", recipe.correction, "after_optimizer_step"),
         ("publish", recipe, "_publish"),
         ("metrics+logging", recipe_mod, "gather_and_reduce"),
         ("metrics+logging", recipe.logger, "log"),
         ("metrics+logging", recipe.progress, "update"),
     ]
+    # a ref has one of the spellings listed for a phase: wrap what it has, and every phase
     for label, owner, attr in targets:
-        clock.wrap(owner, attr, label)
+        if hasattr(owner, attr):
+            clock.wrap(owner, attr, label)
+    missing = set(PHASES) - set(clock.wrapped)
+    if missing:
+        raise RuntimeError(f"the recipe has none of the methods of the phases {sorted(missing)}")
 
 
 def child(args: argparse.Namespace) -> dict:

@@ -18,8 +18,8 @@ forward: on-policy, like TRL's ratio of 1); async uses ``--async-correction`` (d
 the ratio against the weights at the start of the step, with the truncated importance weight to
 the sampling version; with one optimizer step per batch those are the training forward's own
 weights, so no scoring forward is added; ``rollout_logprobs`` anchors the clip at the previous
-version, which on ``long`` clips a quarter of the tokens and learns less per step).
-``--fused-loss`` sets ``ppo.fused_loss=true`` for both minippo settings.
+version, which on ``long`` clips a quarter of the tokens and learns less per step). minippo's
+policy loss is its fused lm_head + loss pass (``models.fused_policy_loss``, the recipe's only path).
 
 Three workloads (the third runs only when named):
 
@@ -366,7 +366,6 @@ def minippo_overrides(
     setting: str,
     *,
     async_correction: str = "tis",
-    fused_loss: bool = False,
     extra: tuple[str, ...] = (),
 ) -> list[str]:
     reward = [f"reward.{k}={v}" for k, v in w.reward.items() if k != "_component_"]
@@ -398,7 +397,6 @@ def minippo_overrides(
         f"rollout.stop_at_eos={str(w.stop_at_eos).lower()}",
         "rollout.temperature=1.0",
         f"rollout.max_staleness={staleness}",
-        f"ppo.fused_loss={str(fused_loss).lower()}",
         # sync: the PPO ratio's denominator is the engine's logprobs, no extra scoring forward,
         # like TRL with one generation per optimizer step (its ratio is 1 by construction)
         "~correction",
@@ -763,9 +761,6 @@ def main() -> None:
         help="the correction of the async setting (sync: rollout_logprobs)",
     )
     p.add_argument(
-        "--fused-loss", action="store_true", help="ppo.fused_loss=true for both minippo settings"
-    )
-    p.add_argument(
         "--set",
         nargs="+",
         default=[],
@@ -797,8 +792,8 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"trl {trl.__version__}; minippo trainer {a.threads} thread(s) + its engine process")
     print(
-        f"minippo: sync correction rollout_logprobs, async correction {a.async_correction}, "
-        f"ppo.fused_loss={str(a.fused_loss).lower()}" + "".join(f" {x}" for x in a.set)
+        f"minippo: sync correction rollout_logprobs, async correction {a.async_correction}"
+        + "".join(f" {x}" for x in a.set)
     )
     seeds = [0] if a.quick else a.seeds
     if len(set(seeds)) != len(seeds):
@@ -815,7 +810,6 @@ def main() -> None:
                 a.threads,
                 parallel=a.quick,
                 async_correction=a.async_correction,
-                fused_loss=a.fused_loss,
                 extra=tuple(a.set),
             )
         w = replace(base, seed=seeds[0])

@@ -8,25 +8,23 @@ Copy it with ``minippo cp async_ppo my_ppo.py`` and edit; nothing imports this f
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.tensor import DTensor
-from torch.nn.utils import clip_grad_norm_
 
 from minippo import models, parallel, rl
-from minippo.config import canonical_dtype, instantiate, torch_dtype
+from minippo.config import instantiate, torch_dtype
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
-from minippo.engine.torch_engine import TorchEngine
-from minippo.plan import rollout_mode, sglang_on_gpu
+from minippo.engine.torch_engine import TorchEngine, default_num_threads
+from minippo.plan import cap_trainer_memory, rollout_mode
 from minippo.rl.correction import build_correction
 from minippo.training import preflight
 from minippo.training.alternating_queue import AlternatingQueue
@@ -34,165 +32,54 @@ from minippo.training.checkpoint import Checkpointer, RNGState
 from minippo.training.evaluation import evaluate
 from minippo.training.interrupt import StopOnSignal
 from minippo.training.metrics import MetricAverager, NoOpLogger, gather_and_reduce
-from minippo.training.micro_batches import split_rows
-from minippo.training.nan_guard import NonFiniteGuard
+from minippo.training.micro_batches import scored_in_forwards, update_plan
+from minippo.training.nan_guard import NonFiniteGuard, clip_and_step
 from minippo.training.optimizers import build_optimizer
 from minippo.training.output_dir import OutputDir
 from minippo.training.progress import ProgressBar
 from minippo.training.rollout_queue import RolloutQueue
 
-log = logging.getLogger("minippo.async_ppo")
 # each rank logs its share of these losses; the logged value is their sum over ranks
 LOSS_SHARES = ("train/loss", "train/policy_loss", "train/kl_loss", "train/value_loss")
 
 
 def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) -> None:
-    """Every check that needs no model, all problems at once (``minippo validate`` and the torchrun
-    launcher run it too): keys, types, ranges (ASYNC_PPO_SCHEMA), components and the correction
-    contract (``preflight.config_problems``), then the shapes below, each with values and fix."""
-    problems = preflight.config_problems(cfg, preflight.ASYNC_PPO_SCHEMA, world_size=world_size)
-    if problems:  # the shape checks below need well-typed values
-        preflight.raise_problems(problems)
-    r, ppo, est = cfg.rollout, cfg.ppo, cfg.advantage_estimator
-    if est == "grpo" and r.samples_per_prompt < 2:
-        problems.append(
-            f"advantage_estimator=grpo compares samples of one prompt: rollout.samples_per_prompt "
-            f"({r.samples_per_prompt}) must be >= 2"
-        )
-    if r.groups_per_batch % world_size:
-        problems.append(
-            f"rollout.groups_per_batch ({r.groups_per_batch}) must be divisible by the number of "
-            f"ranks ({world_size}); set rollout.groups_per_batch="
-            f"{max(world_size, r.groups_per_batch // world_size * world_size)}"
-        )
-    rows = r.groups_per_batch // world_size * r.samples_per_prompt  # rows per rank per step
-    if rows % ppo.minibatches:
-        problems.append(
-            f"rows per rank ({rows} = groups_per_batch {r.groups_per_batch} / {world_size} ranks x "
-            f"samples_per_prompt {r.samples_per_prompt}) must be divisible by ppo.minibatches "
-            f"({ppo.minibatches}); pick ppo.minibatches among "
-            f"{[d for d in range(1, rows + 1) if rows % d == 0]}"
-        )
-    elif ppo.micro_batch_size is not None and (mb_rows := rows // ppo.minibatches) % (
-        ppo.micro_batch_size
-    ):
-        problems.append(
-            f"minibatch rows ({mb_rows}) must be divisible by ppo.micro_batch_size "
-            f"({ppo.micro_batch_size}); pick one of {[d for d in range(1, mb_rows + 1) if mb_rows % d == 0]}"
-            " or null (the whole minibatch in one forward)"
-        )
-    for rows_key, tokens_key in (
-        ("micro_batch_size", "max_tokens_per_micro_batch"),
-        ("score_micro_batch_size", "score_max_tokens_per_micro_batch"),
-    ):
-        if ppo.get(rows_key) is not None and ppo.get(tokens_key) is not None:
-            problems.append(
-                f"ppo.{rows_key} ({ppo[rows_key]}) and ppo.{tokens_key} ({ppo[tokens_key]}) "
-                f"both size the same forwards; set one of them to null"
-            )
-        elif ppo.get(tokens_key) is not None and not ppo.get("pack", True):
-            problems.append(
-                f"ppo.{tokens_key} ({ppo[tokens_key]}) counts real tokens, which bound a "
-                f"forward only when it computes on them: set ppo.pack=true, or ppo.{rows_key} "
-                "for padded forwards"
-            )
-    if cfg.kl.coef > 0 and cfg.kl.mode == "loss" and cfg.kl.estimator == "k1":
-        problems.append(
-            "kl.estimator=k1 with kl.mode=loss has zero expected gradient (E_π[∇log π] = 0); "
-            "set kl.estimator=k2 (gradient of KL(π‖π_ref)) or k3 (gradient of KL(π_ref‖π))"
-        )
-    if rl.needs_critic(est) and cfg.critic.warmup_steps >= cfg.total_steps:
-        problems.append(
-            f"critic.warmup_steps ({cfg.critic.warmup_steps}) must be in [0, total_steps "
-            f"({cfg.total_steps}))"
-        )
-    if rollout_mode(cfg) == "overlap":
-        for key, value in (("oversample", 1.0), ("offload_trainer", False)):
-            if r.get(key, value) != value:
-                problems.append(
-                    f"rollout.{key}={r[key]} needs rollout.mode=alternate (generation between "
-                    f"training steps); set rollout.mode=alternate or rollout.{key}={value}"
-                )
-    sync_every = r.get("sync_every", 1)
-    if rollout_mode(cfg) == "alternate":
-        if sync_every > 1:
-            problems.append(
-                f"rollout.sync_every={sync_every} needs rollout.mode=overlap: alternate puts the "
-                "engine to sleep after every batch (its weights are released) and wakes it only "
-                "to take new weights; set rollout.sync_every=1 or rollout.mode=overlap"
-            )
-        if r.get("oversample", 1.0) > 1 and r.max_staleness == 0:
-            problems.append(
-                f"rollout.oversample={r.oversample} carries groups into the next step, and with "
-                "rollout.max_staleness=0 every carried token is too old: all of them would restart "
-                "each step; set rollout.max_staleness>=1 or rollout.oversample=1.0"
-            )
-    every = OmegaConf.select(cfg, "eval.every_n_steps", default=None)
-    if every is not None and cfg.total_steps % sync_every:
-        problems.append(
-            f"total_steps ({cfg.total_steps}) must be a multiple of rollout.sync_every "
-            f"({sync_every}) when eval is set: the final validation runs on the engines right "
-            "after the last publish; set total_steps="
-            f"{max(sync_every, cfg.total_steps // sync_every * sync_every)}"
-        )
-    if every is not None and every % sync_every:
-        problems.append(
-            f"eval.every_n_steps ({every}) must be a multiple of rollout.sync_every ({sync_every}): "
-            "validation runs on the engines right after a publish, when they hold the actor's "
-            f"weights; set eval.every_n_steps={max(sync_every, every // sync_every * sync_every)}"
-        )
-    if canonical_dtype(cfg.dtype, "dtype") != "float32" and not distributed:
-        problems.append(
-            f"dtype={cfg.dtype} is FSDP2 mixed precision (fp32 master weights), which needs a "
-            "process group: run `minippo run --nproc-per-node 1 async_ppo ...`, or set dtype=fp32"
-        )
-    preflight.raise_problems(problems)
+    """Every check that needs no model, all problems at once, each with its values and fix
+    (``minippo validate`` and the torchrun launcher run it too): keys, types and ranges
+    (``preflight.ASYNC_PPO_SCHEMA``), components, the correction contract, then the shapes
+    (``preflight.async_ppo_shape_problems``)."""
+    preflight.check_async_ppo_config(cfg, world_size, distributed)
 
 
 class AsyncPPORecipe:
     """Asynchronous PPO (or critic-free GRPO) with an explicit behaviour-policy correction.
 
-    What one training step does (``train()``; DESIGN.md "One training step"):
+    One training step (``train()``; docs/recipe.md "One training step" says why each is so):
 
-    0. take batch ``step`` from the rollout queue; every token carries the version that sampled
-       it, at most ``rollout.max_staleness`` versions old. ``rollout.mode: overlap``: the engine
-       generated it in the background while the previous step trained. ``alternate`` (a GPU
-       shared with the engine): it is generated now, carried-over groups continuing under the
-       new weights, then the engine sleeps (``rollout.offload_trainer``: the trainer's state
-       waits on the host meanwhile).
-    1. rewards: scored by ``reward`` as samples arrive (overlap: in the queue's thread); the KL penalty
-       (``kl.mode: reward``) is subtracted per token in step 3.
-    2. no-grad passes: reference logprobs (when ``kl.coef > 0``), critic values (GAE), and
-       ``correction.prepare``: anchor logprobs, per-token IS weights and keep-mask, computed once
-       and shared by every epoch and minibatch (docs/corrections.md).
-    3. advantages: GAE over per-token rewards (``advantage_estimator: gae``, critic) or
-       group-normalised sequence rewards (``grpo``, critic-free).
+    0. batch ``step`` from the rollout queue, every token at most ``rollout.max_staleness``
+       versions old: generated in the background while the previous step trained
+       (``rollout.mode: overlap``), or now, then the engine sleeps (``alternate``).
+    1. rewards: scored by ``reward`` as the samples arrive.
+    2. no-grad passes: reference logprobs (``kl.coef > 0``), critic values (GAE) and
+       ``correction.prepare``: the step's anchors, IS weights and keep-mask (docs/corrections.md).
+    3. advantages: GAE over per-token rewards (``advantage_estimator: gae``, with a critic) or
+       group-normalised sequence rewards (``grpo``); ``kl.mode: reward`` subtracts β·KL per token.
     4. PPO updates: ``ppo.epochs`` x ``ppo.minibatches`` optimizer steps, each accumulated over
-       micro-batches of ``ppo.max_tokens_per_micro_batch`` tokens or ``ppo.micro_batch_size``
-       rows (both null: one forward per minibatch); clipped policy loss x IS weights, clipped
-       value loss; the first ``critic.warmup_steps`` steps train only the critic. A non-finite loss
-       or gradient norm skips that optimizer step; ``max_consecutive_nonfinite`` in a row stop the
-       run. ``correction.after_optimizer_step`` (EWMA) after each actor step.
-    5. publish (every ``rollout.sync_every`` steps): every rank gathers the full weights bucket by
-       bucket and pushes them into its own engine as version ``(step + 1) // sync_every``;
-       ``correction.on_weights_published`` (snapshots).
-    6. log (jsonl by default, tqdm bar) and, every ``checkpoint.every_n_steps``, an atomic DCP
-       checkpoint that a run resumes exactly from (``resume_from: latest``).
+       micro-batches (``ppo.max_tokens_per_micro_batch`` tokens or ``ppo.micro_batch_size``
+       rows): the clipped policy loss x IS weights, fused with the lm_head (+ β·KL with
+       ``kl.mode: loss``), and the clipped value loss; the first ``critic.warmup_steps`` train
+       only the critic. A non-finite loss or gradient norm skips that optimizer step. Each LR
+       schedule advances once per step in which its optimizer stepped.
+    5. publish, every ``rollout.sync_every`` steps: every rank gathers the full weights bucket by
+       bucket into its own engine as version ``(step + 1) // sync_every``.
+    6. log; every ``checkpoint.every_n_steps`` an atomic checkpoint to resume exactly from.
 
-    KL to a frozen reference (``kl.mode``): ``reward`` subtracts β·KL per token from the reward
-    (classic RLHF PPO, estimated under μ), ``loss`` adds β·KL to the policy loss (GRPO-style;
-    ``k2``/``k3`` only, docs/recipe.md).
-    Packed passes (``ppo.pack``, the default): every training and scoring forward computes on the
-    real tokens of its sequences only, packed into one stream (``minippo.models.packing``); the
-    per-token tensors stay ``[B, R]``. ``pack: false`` computes on the padded batch (the
-    reference the tests compare packing with).
-    Parallelism: under torchrun (``minippo run --nproc-per-node N``) the models are built on the
-    meta device, FSDP2-sharded over all ranks (``parallel.sharding: hsdp``: over a node's ranks,
-    replicated across nodes; docs/multinode.md) and filled shard by shard; each rank drives its own
-    engine with ``groups_per_batch / N`` prompts. A single process trains unsharded. Losses are
-    each rank's share of the global loss (global token counts); FSDP sums the gradients.
-    Papers: PPO (Schulman et al. 2017), GAE (Schulman et al. 2016), GRPO (Shao et al. 2024),
-    PPO-EWMA (Hilton et al. 2021), decoupled PPO (Fu et al. 2025), TIS (Yao et al. 2025).
+    Every forward computes on the real tokens only (``ppo.pack``). Under torchrun the models are
+    built on the meta device and FSDP2-sharded (``parallel.sharding``), each rank drives its own
+    engine with ``groups_per_batch / N`` prompts, and each loss is the rank's share of the global
+    loss; a single process trains unsharded. Papers: PPO (Schulman et al. 2017), GAE (Schulman
+    et al. 2016), GRPO (Shao et al. 2024), PPO-EWMA (Hilton et al. 2021), decoupled PPO (Fu et
+    al. 2025), TIS (Yao et al. 2025).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -205,22 +92,13 @@ class AsyncPPORecipe:
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.device, self.is_main = self.dist.device, self.dist.is_main
         # parallel.sharding: FSDP over every rank, or HSDP (shards in a node, replicas across nodes)
-        self.mesh = (
-            parallel.build_mesh(parallel.sharding_of(cfg)) if self.dist.distributed else None
-        )
-        if self.device.type == "cpu":
-            # the engine process takes the other cores; oversubscribed intra-op threads spin
-            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            torch.set_num_threads(
-                cfg.cpu_threads or max(1, (os.cpu_count() or 2) // 2 // ranks_here)
-            )
-        if self.device.type == "cuda" and sglang_on_gpu(cfg) and rollout_mode(cfg) == "overlap":
-            # the engine generates on this GPU while training (rollout.share_gpu_with_engine,
-            # refused unless the plan fits): the trainer's allocator gets what its plan says
-            from minippo.plan import trainer_memory_fraction
-
-            fraction = trainer_memory_fraction(cfg, world_size=self.world_size)
-            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        sharding = parallel.sharding_of(cfg)
+        self.mesh = parallel.build_mesh(sharding) if self.dist.distributed else None
+        if self.device.type == "cpu":  # half the cores: the engines take the other half
+            torch.set_num_threads(cfg.cpu_threads or default_num_threads())
+        # an SGLang engine generating on this GPU while the trainer trains (overlap, refused
+        # unless the plan fits): the trainer's allocator gets what its plan says
+        cap_trainer_memory(cfg, self.device, world_size=self.world_size)
         torch.manual_seed(cfg.seed + self.rank)
         self.total_steps = int(cfg.total_steps)
         self.start_step = 0
@@ -266,13 +144,11 @@ class AsyncPPORecipe:
         preflight.raise_problems(preflight.context_problems(cfg, args, prompt_tokens=longest))
         self.engine = instantiate(cfg.engine, model_args=args)
         self.actor = self._build_model(args, cfg.checkpoint_path, seed=cfg.seed)
-        self.critic = None
+        self.critic = self.ref = None  # the reference: frozen, no activation checkpointing
         if self.use_critic:
             path = cfg.critic.checkpoint_path
-            self.critic = self._build_model(
-                self._model_args(path), path, seed=cfg.seed + 1, critic=True
-            )
-        self.ref = None  # frozen: no activation checkpointing, no gradients
+            critic_args = self._model_args(path)
+            self.critic = self._build_model(critic_args, path, seed=cfg.seed + 1, critic=True)
         if self.use_ref:
             self.ref = self._build_model(args, cfg.checkpoint_path, seed=cfg.seed, trainable=False)
 
@@ -294,6 +170,9 @@ class AsyncPPORecipe:
         self.critic_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
 
         r = cfg.rollout
+        self.sampling = SamplingParams(
+            r.temperature, r.top_p, r.top_k, r.max_new_tokens, stop_token_ids=self.stop_ids
+        )
         alternate = rollout_mode(cfg) == "alternate"
         queue_kw = dict(oversample=float(r.get("oversample", 1.0)), sleep=True) if alternate else {}
         self.queue = (AlternatingQueue if alternate else RolloutQueue)(
@@ -301,13 +180,7 @@ class AsyncPPORecipe:
             PromptStream(self.dataset, seed=cfg.seed, rank=self.rank, world_size=self.world_size),
             groups_per_batch=r.groups_per_batch // self.world_size,
             samples_per_prompt=r.samples_per_prompt,
-            sampling=SamplingParams(
-                temperature=r.temperature,
-                top_p=r.top_p,
-                top_k=r.top_k,
-                max_new_tokens=r.max_new_tokens,
-                stop_token_ids=self.stop_ids,
-            ),
+            sampling=self.sampling,
             max_staleness=r.max_staleness,
             partial_rollout=r.partial_rollout,
             reward_fn=lambda s: self.reward_fn(s.prompt, s.text),
@@ -324,8 +197,7 @@ class AsyncPPORecipe:
             preflight.warn_if_oversample_waits(rows, groups, self.engine.max_batch_size)
         self.offload = None  # the trainer's state moves to the host while the engine generates
         if r.get("offload_trainer", False):
-            pairs = [(m, o) for m, o in self._models().values()]
-            self.offload = parallel.TrainerOffload(pairs)
+            self.offload = parallel.TrainerOffload(list(self._models().values()))
 
         # Everything a resumed run needs besides the models: Stateful objects, saved by name.
         self.states = {
@@ -361,9 +233,8 @@ class AsyncPPORecipe:
         self.logger.log_config(OmegaConf.to_container(cfg, resolve=True))
         if training and self.eval_set is not None and cfg.eval.before_train:
             self._validate(self.start_step)
-        self.progress = ProgressBar(
-            self.total_steps, self.start_step, enabled=self.is_main and cfg.progress_bar
-        )
+        enabled = self.is_main and cfg.progress_bar
+        self.progress = ProgressBar(self.total_steps, self.start_step, enabled=enabled)
 
     def _build_model(self, args, path, *, seed: int, critic: bool = False, trainable: bool = True):
         """Meta-device build → activation checkpointing → compiled blocks → FSDP2 shards →
@@ -401,11 +272,8 @@ class AsyncPPORecipe:
         snapshot for the correction. Collective under FSDP (every rank gathers every tensor)."""
         if self.published is not None:
             self.published.take(self.actor, version)
-        buckets = parallel.full_tensor_buckets(
-            self.actor,
-            bucket_bytes=int(self.cfg.publish_bucket_mb * 2**20),
-            dtype=self.engine.dtype,
-        )
+        size, dtype = int(self.cfg.publish_bucket_mb * 2**20), self.engine.dtype
+        buckets = parallel.full_tensor_buckets(self.actor, bucket_bytes=size, dtype=dtype)
         if self.device.type == "cuda" and rollout_mode(self.cfg) == "alternate":
             torch.cuda.empty_cache()  # the engine wakes into what the trainer leaves cached
         self.queue.publish(buckets, version=version)
@@ -456,24 +324,15 @@ class AsyncPPORecipe:
                 token_rewards = rl.place_sequence_rewards(rewards, mask)  # r on the last token
                 if beta:
                     token_rewards = token_rewards - beta * kl_tok  # r_t − β·KL_t
-                advantages, returns = rl.gae(
-                    values,
-                    token_rewards,
-                    mask,
-                    gamma=cfg.gae.gamma,
-                    lam=cfg.gae.lam,
-                    truncated=batch.truncated,
-                    bootstrap_values=bootstrap,
-                    bootstrap_truncated=cfg.gae.bootstrap_truncated,
-                )
+                advantages, returns = rl.gae(  # gae: gamma, lam, bootstrap_truncated
+                    values, token_rewards, mask, truncated=batch.truncated,
+                    bootstrap_values=bootstrap, **cfg.gae,
+                )  # fmt: skip
                 metrics["train/explained_variance"] = rl.explained_variance(values, returns, mask)
             else:
-                seq_rewards = (
-                    rewards - beta * rl.masked_sum(kl_tok, mask, dim=1) if beta else rewards
-                )
-                advantages = rl.group_advantages(
-                    seq_rewards, batch.group_ids, mask, normalize_std=cfg.grpo.normalize_std
-                )
+                if beta:  # the penalty summed over each response
+                    rewards = rewards - beta * rl.masked_sum(kl_tok, mask, dim=1)
+                advantages = rl.group_advantages(rewards, batch.group_ids, mask, **cfg.grpo)
                 returns = None
             if cfg.ppo.whiten_advantages:
                 advantages = rl.masked_whiten(advantages, mask)  # statistics of all ranks
@@ -483,10 +342,13 @@ class AsyncPPORecipe:
             train_actor = not (self.use_critic and step < cfg.critic.warmup_steps)
             plan = self._update_plan(step, rollouts.batch.attention_mask, batch.prompt_len)
             inputs = (batch, corr, advantages, returns, values, ref_logprobs, train_actor)
-            metrics |= self._ppo_updates(step, plan, *inputs) | corr.metrics()
-            if train_actor:  # the actor's schedule starts with its first update
+            updates, stepped = self._ppo_updates(step, plan, *inputs)
+            metrics |= updates | corr.metrics()
+            # a schedule advances after a step in which its optimizer stepped: the actor's starts
+            # with its first update, a step whose updates were all skipped (non-finite) is not one
+            if stepped["actor"]:
                 self.scheduler.step()
-            if self.critic_scheduler is not None:
+            if stepped["critic"]:
                 self.critic_scheduler.step()
 
             # step 5. publish version (step + 1) / sync_every into every rank's engine
@@ -532,101 +394,63 @@ class AsyncPPORecipe:
 
     def _validate(self, steps_done: int) -> None:
         """Validation: sample ``eval.samples_per_prompt`` responses per ``eval.dataset`` prompt from
-        the engines (they hold the actor's weights: right after a publish), score them with the
-        run's reward, log ``eval/*`` at step ``steps_done``. Seeded requests, no global RNG, and
-        the queue generates nothing meanwhile: with TorchEngine (or a deterministic SGLang engine,
-        whose sampler honours per-request seeds) the run trains exactly as without it."""
-        cfg, r = self.cfg.eval, self.cfg.rollout
-        sampling = SamplingParams(
-            temperature=r.temperature if cfg.temperature is None else cfg.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=cfg.max_new_tokens or r.max_new_tokens,
-            stop_token_ids=self.stop_ids,
-        )
+        the engines (right after a publish: they hold the actor's weights), score them with the
+        run's reward, log ``eval/*`` at step ``steps_done``. Seeded requests, no global RNG, the
+        queue idle meanwhile: with TorchEngine (or a deterministic SGLang engine) the run trains
+        exactly as without it."""
+        cfg, r = self.cfg.eval, self.sampling  # the rollouts' sampling with eval's T and budget
+        t = r.temperature if cfg.temperature is None else cfg.temperature
+        sampling = replace(r, temperature=t, max_new_tokens=cfg.max_new_tokens or r.max_new_tokens)
         with self.queue.engine_idle():
             result = evaluate(
-                self.engine,
-                self.eval_set,
-                reward_fn=self.reward_fn,
-                decode=self.tokenizer.decode,
-                sampling=sampling,
-                samples_per_prompt=cfg.samples_per_prompt,
-                seed=self.cfg.seed,
-            )
+                self.engine, self.eval_set, reward_fn=self.reward_fn, decode=self.tokenizer.decode,
+                sampling=sampling, samples_per_prompt=cfg.samples_per_prompt, seed=self.cfg.seed,
+            )  # fmt: skip
         self.logger.log({**result.metrics, "perf/eval_s": result.seconds}, step=steps_done)
 
-    def _pack(self, host_mask, rows, prompt_len):
-        """The packed layout of ``rows`` (on the host; None with ``ppo.pack: false``)."""
-        return models.pack(host_mask[rows], start=prompt_len) if self.pack else None
-
     def _scored(self, fn, batch) -> torch.Tensor:
-        """``fn(chunk, layout)`` over the forwards of ``ppo.score_max_tokens_per_micro_batch``
-        tokens or ``ppo.score_micro_batch_size`` rows (both null: the whole batch at once), back
-        in row order; every rank runs as many forwards, so FSDP's collectives line up. Packing
-        reads the attention mask on the host (one copy from the device per pass)."""
-        host_mask = batch.attention_mask.cpu()
-        (chunks,) = split_rows(
-            [torch.arange(batch.batch_size)],
-            host_mask.sum(1),
-            max_tokens=getattr(self.ppo, "score_max_tokens_per_micro_batch", None),
-            max_rows=self.ppo.score_micro_batch_size,
-            device=self.device,
-        )
-        outs = []
-        for rows in chunks:
-            layout = self._pack(host_mask, rows, batch.prompt_len)
-            outs.append(fn(batch.select(rows), None if layout is None else layout.to(self.device)))
-        order = torch.cat(chunks)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(order))
-        return torch.cat(outs)[inverse.to(self.device)]
+        """A no-grad pass ``fn(chunk, layout)`` in forwards of
+        ``ppo.score_max_tokens_per_micro_batch`` tokens or ``ppo.score_micro_batch_size`` rows."""
+        max_tokens = getattr(self.ppo, "score_max_tokens_per_micro_batch", None)
+        return scored_in_forwards(
+            fn, batch, max_tokens=max_tokens, max_rows=self.ppo.score_micro_batch_size,
+            pack=self.pack, device=self.device,
+        )  # fmt: skip
 
     def _logprobs(self, model, batch, layout) -> torch.Tensor:  # at the sampling temperature
         return models.response_logprobs(model, batch, temperature=self.temperature, packed=layout)
 
     def _values(self, batch, layout) -> torch.Tensor:
-        return self.critic(
-            batch.input_ids,
-            position_ids=batch.position_ids,
-            attention_mask=batch.attention_mask,
-            packed=layout,
-        ).float()
+        kw = dict(position_ids=batch.position_ids, attention_mask=batch.attention_mask)
+        return self.critic(batch.input_ids, packed=layout, **kw).float()
 
     def _update_plan(self, step, host_mask, prompt_len) -> list[list[tuple[torch.Tensor, object]]]:
-        """Step 4's forwards, planned on the host before it starts: per optimizer step (epochs x
-        minibatches) its micro-batches as (rows, packed layout), the layouts on the host (moved
-        to the device one micro-batch at a time). A seeded generator per (step, rank): the
-        minibatch order is independent of the global RNG state, so a resumed run shuffles
-        exactly like an uninterrupted one."""
-        ppo, B = self.ppo, host_mask.shape[0]
+        """Step 4's forwards, planned on the host before it starts: per optimizer step its
+        micro-batches as (rows, packed layout on the host). A seeded generator per (step, rank):
+        a resumed run shuffles exactly like an uninterrupted one, whatever the global RNG."""
+        ppo = self.ppo
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 1009 + self.rank)
-        minibatches = [
-            rows
-            for _epoch in range(ppo.epochs)
-            for rows in torch.randperm(B, generator=gen).chunk(ppo.minibatches)
-        ]
-        micros = split_rows(
-            minibatches,
-            host_mask.sum(1),
+        return update_plan(
+            host_mask, gen, epochs=ppo.epochs, minibatches=ppo.minibatches,
             max_tokens=getattr(ppo, "max_tokens_per_micro_batch", None),
-            max_rows=ppo.micro_batch_size,
+            max_rows=ppo.micro_batch_size, pack_start=prompt_len if self.pack else None,
             device=self.device,
-        )
-        return [[(m, self._pack(host_mask, m, prompt_len)) for m in mbs] for mbs in micros]
+        )  # fmt: skip
 
     def _ppo_updates(
         self, step, plan, batch, corr, advantages, returns, old_values, ref_logprobs, train_actor
-    ) -> dict[str, float]:
+    ) -> tuple[dict[str, float], dict[str, bool]]:
         """Step 4 along ``plan`` (:meth:`_update_plan`). A micro-batch's loss is its share of the
         minibatch loss over all ranks (global token/sequence counts): shares add up over
         micro-batches by gradient accumulation and over ranks by FSDP's gradient sum, whatever
         rows each micro-batch holds. Statistics stay on the device until ``result()``; the only
-        other host syncs are the finite checks, one per optimizer step."""
+        other host syncs are the finite checks, one per optimizer step. Returns (the statistics,
+        whether the actor's and the critic's optimizer stepped at least once)."""
         stats = MetricAverager()  # per-token stats weigh by tokens, minibatch values by 1
+        stepped = {"actor": False, "critic": False}
+        clip = dict(max_norm=self.ppo.max_grad_norm, step=step)  # non-finite: the step is skipped
         for micros in plan:
-            rows = torch.cat([m for m, _ in micros])
-            counts = rl.global_counts(batch.response_mask[rows])
+            counts = rl.global_counts(batch.response_mask[torch.cat([m for m, _ in micros])])
             shares: dict[str, torch.Tensor] = {}  # this rank's loss shares of the minibatch
             for i, (micro, layout) in enumerate(micros):
                 last = i == len(micros) - 1  # HSDP: gradients cross nodes once per minibatch
@@ -641,78 +465,41 @@ class AsyncPPORecipe:
                     )
                     self._add_shares(shares, out, stats, mb)
                 if self.use_critic:
-                    out = self._critic_backward(
-                        mb, old_values[micro], returns[micro], counts, layout
-                    )
+                    v_old, ret = old_values[micro], returns[micro]
+                    out = self._critic_backward(mb, v_old, ret, counts, layout)
                     self._add_shares(shares, out, stats, mb)
             if train_actor:
-                loss = shares["train/loss"]
-                norm, stepped = self._clip_and_step(
-                    self.actor, self.optimizer, self.actor_guard, loss, step
-                )
-                if stepped:
+                loss, guard = shares["train/loss"], self.actor_guard
+                norm, ok = clip_and_step(self.actor, self.optimizer, guard, loss, **clip)
+                if ok:
                     self.correction.after_optimizer_step(self.actor)  # EWMA's θ̄ update
+                stepped["actor"] |= ok
                 stats.add({"train/grad_norm": norm})
             if self.use_critic:
-                loss = shares["train/value_loss"]
-                norm, _ = self._clip_and_step(
-                    self.critic, self.critic_optimizer, self.critic_guard, loss, step
-                )
+                loss, guard = shares["train/value_loss"], self.critic_guard
+                norm, ok = clip_and_step(self.critic, self.critic_optimizer, guard, loss, **clip)
+                stepped["critic"] |= ok
                 stats.add({"train/critic_grad_norm": norm})
             stats.add(shares)
         out = stats.result()
         skipped = self.actor_guard.skipped_total + self.critic_guard.skipped_total
         out["train/nonfinite_skipped_total"] = float(skipped)
-        return out
+        return out, stepped
 
     def _actor_backward(self, mb, rows, corr, advantages, ref_logprobs, counts, layout):
-        """Backward of one micro-batch's policy loss (+ β·KL with ``kl.mode: loss``); returns
-        (its loss shares, its per-token statistics). ``layout``: packed (or None: padded)."""
-        ppo, kl_cfg, m = self.ppo, self.kl, mb.response_mask
+        """Backward of one micro-batch's policy loss (+ β·KL with ``kl.mode: loss``); returns (its
+        loss shares, its per-token statistics). The lm_head and the loss run as one chunked pass
+        that forms their gradients in the forward, so backward recomputes no logits
+        (``models.fused_policy_loss``: ``rl.policy_loss``'s loss, statistics and gradients, which
+        the tests compare it with). Anchors that follow the current policy are formed token by
+        token inside the pass; only weights that need whole rows of them (``tis`` at sequence
+        level, one update per step) take one no-grad forward first. ``layout``: packed or None."""
+        ppo, kl, m = self.ppo, self.kl, mb.response_mask
         agg = dict(agg_mode=ppo.loss_agg_mode, global_tokens=counts.tokens, global_seqs=counts.seqs)
         score = dict(
-            attention_mask=mb.attention_mask,
-            position_ids=mb.position_ids,
-            temperature=self.temperature,
-            start=mb.prompt_len,
-            packed=layout,
-        )
-        if getattr(ppo, "fused_loss", False):
-            return self._actor_backward_fused(mb, rows, corr, advantages, ref_logprobs, agg, score)
-        logp, entropy = models.token_logprobs_and_entropy(self.actor, mb.input_ids, **score)
-        c = corr.minibatch(rows.to(self.device), logp)  # anchors, IS weights, keep-mask
-        loss, st = rl.policy_loss(
-            logp,
-            c.anchor_logprobs,
-            advantages,
-            m,
-            eps_low=ppo.clip_low,
-            eps_high=ppo.clip_high,
-            dual_clip=ppo.dual_clip,
-            weights=c.weights,
-            keep_mask=c.keep_mask,
-            **agg,
-        )
-        per_token = rl.as_metrics(st)
-        shares = {"train/policy_loss": per_token.pop("train/policy_loss")}
-        per_token["train/entropy"] = rl.masked_mean(entropy.detach(), m)
-        if self.use_ref and kl_cfg.mode == "loss":
-            kl, kst = rl.kl_loss(logp, ref_logprobs, m, kl_cfg.estimator, **agg)
-            loss = loss + kl_cfg.coef * kl
-            shares["train/kl_loss"] = kst.kl_loss
-            per_token["train/kl_mean"] = kst.kl_mean
-        loss.backward()
-        shares["train/loss"] = loss.detach()
-        return shares, per_token
-
-    def _actor_backward_fused(self, mb, rows, corr, advantages, ref_logprobs, agg, score):
-        """``_actor_backward`` with ``ppo.fused_loss``: the same loss, gradients and statistics
-        from ``models.fused_policy_loss`` (the lm_head and the loss in one chunked pass, nothing
-        recomputed in backward). Anchors that follow the current policy are formed token by token
-        inside that pass; only a correction whose weights need whole rows of them (``tis`` at
-        sequence level with one update per step) gets the micro-batch's logprobs from one extra
-        no-grad forward first."""
-        ppo, kl_cfg, m = self.ppo, self.kl, mb.response_mask
+            attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+            temperature=self.temperature, start=mb.prompt_len, packed=layout,
+        )  # fmt: skip
         rows = rows.to(self.device)
         token_anchors = corr.token_anchors(rows)
         if token_anchors is not None:
@@ -722,23 +509,16 @@ class AsyncPPORecipe:
             if corr.follows_policy:
                 with torch.no_grad():
                     lp = models.token_logprobs(self.actor, mb.input_ids, **score)
-            c = corr.minibatch(rows, lp)
+            c = corr.minibatch(rows, lp)  # anchors, IS weights, keep-mask
             anchors = dict(
                 anchor_logprobs=c.anchor_logprobs, weights=c.weights, keep_mask=c.keep_mask
             )
-        with_kl = self.use_ref and kl_cfg.mode == "loss"
+        with_kl = self.use_ref and kl.mode == "loss"
         spec = models.FusedLossSpec(
-            **anchors,
-            advantages=advantages,
-            response_mask=m,
-            eps_low=ppo.clip_low,
-            eps_high=ppo.clip_high,
-            dual_clip=ppo.dual_clip,
-            ref_logprobs=ref_logprobs if with_kl else None,
-            kl_estimator=kl_cfg.estimator,
-            kl_coef=kl_cfg.coef,
-            **agg,
-        )
+            **anchors, **agg, advantages=advantages, response_mask=m, eps_low=ppo.clip_low,
+            eps_high=ppo.clip_high, dual_clip=ppo.dual_clip, kl_estimator=kl.estimator,
+            ref_logprobs=ref_logprobs if with_kl else None, kl_coef=kl.coef,
+        )  # fmt: skip
         out = models.fused_policy_loss(self.actor, mb.input_ids, spec, **score)
         if token_anchors is not None:
             corr.minibatch(rows, out.logprobs)  # the weight statistics of these tokens
@@ -754,18 +534,10 @@ class AsyncPPORecipe:
 
     def _critic_backward(self, mb, old_values, returns, counts, layout):
         """Backward of one micro-batch's clipped value loss; returns (shares, statistics)."""
-        ppo = self.ppo
-        v, _ = rl.split_critic_values(self._values(mb, layout), mb.response_mask)
-        vloss, st = rl.value_loss(
-            v,
-            old_values,
-            returns,
-            mb.response_mask,
-            clip_range=ppo.value_clip,
-            agg_mode=ppo.loss_agg_mode,
-            global_tokens=counts.tokens,
-            global_seqs=counts.seqs,
-        )
+        ppo, m = self.ppo, mb.response_mask
+        agg = dict(agg_mode=ppo.loss_agg_mode, global_tokens=counts.tokens, global_seqs=counts.seqs)
+        v, _ = rl.split_critic_values(self._values(mb, layout), m)
+        vloss, st = rl.value_loss(v, old_values, returns, m, clip_range=ppo.value_clip, **agg)
         vloss.backward()
         per_token = rl.as_metrics(st)
         return {"train/value_loss": per_token.pop("train/value_loss")}, per_token
@@ -777,17 +549,6 @@ class AsyncPPORecipe:
         for k, v in mb_shares.items():
             shares[k] = shares.get(k, 0.0) + v
         stats.add(per_token, mb.response_mask.sum())
-
-    def _clip_and_step(self, model, optimizer, guard, loss, step: int) -> tuple[torch.Tensor, bool]:
-        """Clip the gradient norm; step unless the loss or the norm is not finite (the guard
-        skips it, and stops the run after too many in a row). Returns (norm, stepped)."""
-        norm = clip_grad_norm_(model.parameters(), self.ppo.max_grad_norm)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: replicated
-        stepped = guard.check(loss, norm, step=step)
-        if stepped:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm, stepped
 
     # ------------------------------------------------------------------------------ checkpoints
     def _models(self) -> dict:

@@ -1,6 +1,6 @@
 """Small helpers shared by test modules (imported as ``tests.helpers``): free ports and gloo ranks
 for multi-process tests, bytes autograd saves for backward, the recipe driven with fixed
-rollouts."""
+rollouts, and the unfused reference of the recipe's actor micro-step."""
 
 from __future__ import annotations
 
@@ -174,3 +174,56 @@ def recipe_on_fixed_batches(cfg: Any, batch_of_step: Callable[[int], Any], rank:
         yield recipe
     finally:
         recipe.cleanup()
+
+
+def reference_actor_backward(recipe, mb, rows, corr, advantages, ref_logprobs, counts, layout):
+    """The recipe's actor micro-step computed without the fused pass, the reference the tests
+    compare ``models.fused_policy_loss`` with: the logprobs and entropies of
+    ``models.token_logprobs_and_entropy`` (the lm_head in chunks recomputed in backward), the
+    correction's anchors, weights and keep-mask for them (``corr.minibatch``), ``rl.policy_loss``
+    (+ β·``rl.kl_loss`` with ``kl.mode: loss``), autograd's backward. Arguments and return value:
+    those of ``AsyncPPORecipe._actor_backward`` (bound to ``recipe``)."""
+    from minippo import models, rl
+
+    ppo, kl_cfg, m = recipe.ppo, recipe.kl, mb.response_mask
+    agg = dict(agg_mode=ppo.loss_agg_mode, global_tokens=counts.tokens, global_seqs=counts.seqs)
+    logp, entropy = models.token_logprobs_and_entropy(
+        recipe.actor,
+        mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
+        temperature=recipe.temperature,
+        start=mb.prompt_len,
+        packed=layout,
+    )
+    c = corr.minibatch(rows.to(recipe.device), logp)
+    loss, st = rl.policy_loss(
+        logp,
+        c.anchor_logprobs,
+        advantages,
+        m,
+        eps_low=ppo.clip_low,
+        eps_high=ppo.clip_high,
+        dual_clip=ppo.dual_clip,
+        weights=c.weights,
+        keep_mask=c.keep_mask,
+        **agg,
+    )
+    per_token = rl.as_metrics(st)
+    shares = {"train/policy_loss": per_token.pop("train/policy_loss")}
+    per_token["train/entropy"] = rl.masked_mean(entropy.detach(), m)
+    if recipe.use_ref and kl_cfg.mode == "loss":
+        kl, kst = rl.kl_loss(logp, ref_logprobs, m, kl_cfg.estimator, **agg)
+        loss = loss + kl_cfg.coef * kl
+        shares["train/kl_loss"] = kst.kl_loss
+        per_token["train/kl_mean"] = kst.kl_mean
+    loss.backward()
+    shares["train/loss"] = loss.detach()
+    return shares, per_token
+
+
+def use_reference_policy_loss(recipe: Any) -> None:
+    """Make ``recipe`` (set up) train its actor with :func:`reference_actor_backward`."""
+    from functools import partial
+
+    recipe._actor_backward = partial(reference_actor_backward, recipe)

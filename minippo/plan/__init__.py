@@ -42,7 +42,12 @@ from minippo.plan.formula import (
     scoring_bytes,
     torch_engine_bytes,
 )
-from minippo.plan.gpu_sharing import sglang_on_gpu, shared_gpu_problems, trainer_memory_fraction
+from minippo.plan.gpu_sharing import (
+    cap_trainer_memory,
+    sglang_on_gpu,
+    shared_gpu_problems,
+    trainer_memory_fraction,
+)
 from minippo.plan.measured import MeasuredPeak, measure_from_config, measure_step
 
 __all__ = [
@@ -56,6 +61,7 @@ __all__ = [
     "TorchEngineShape",
     "activation_bytes",
     "block_saved_bytes_per_token",
+    "cap_trainer_memory",
     "correction_cost",
     "engine_options",
     "measure_from_config",

@@ -428,7 +428,6 @@ def plan_inputs_from_config(
         offload_trainer=bool(_select(cfg, "rollout.offload_trainer", False)),
         engine_weights_host_copy=bool(engine.get("weights_cpu_backup", False)),
         gpu_mem_bytes=gpu,
-        fused_loss=bool(OmegaConf.select(cfg, "ppo.fused_loss", default=False)),
     )
 
 

@@ -403,7 +403,6 @@ class PlanInputs:
     packed: bool = False
     micro_tokens: int | None = None
     score_tokens: int | None = None
-    fused_loss: bool = False
     nnodes: int = 1
     ranks_per_node: int | None = None
     sharding: str = "fsdp"

@@ -15,10 +15,10 @@ recipe (recipes/async_ppo.py):
                    stored weights as its class declares them (``stored_weights``)
     step 2         no-grad passes over the rank's batch, ``score_rows`` sequences per forward:
                    reference logprobs, critic values, ``scoring_passes`` actor forwards
-    step 4         one minibatch: per micro-batch the actor's ``token_logprobs_and_entropy`` +
-                   ``policy_loss`` backward (with ``ppo.fused_loss``: ``fused_policy_loss``) and
-                   the critic's ``value_loss`` backward (gradients accumulate), then the
-                   optimizer steps and ``zero_grad``
+    step 4         one minibatch: per micro-batch the actor's ``fused_policy_loss`` backward
+                   (the lm_head and the policy loss in one pass, the recipe's only path) and the
+                   critic's ``value_loss`` backward (gradients accumulate), then the optimizer
+                   steps and ``zero_grad``
 
 Packed passes (``ppo.pack``) pack every forward as the recipe does; a token budget's forward
 holds sequences of the longest length and one shorter one that fills the budget exactly (the
@@ -333,13 +333,8 @@ def _step(
     Each no-grad pass runs one forward over ``score_rows`` sequences; the other chunks of the
     batch would repeat it exactly, so only their outputs are allocated before the concatenation.
     """
-    from minippo.models import (
-        FusedLossSpec,
-        fused_policy_loss,
-        token_logprobs,
-        token_logprobs_and_entropy,
-    )
-    from minippo.rl import policy_loss, split_critic_values, value_loss
+    from minippo.models import FusedLossSpec, fused_policy_loss, token_logprobs
+    from minippo.rl import split_critic_values, value_loss
 
     P0, S = x.seq_len - x.response_len, x.seq_len
     (score_mask, score_layout), (micro_mask, mb_layout) = forwards
@@ -388,19 +383,11 @@ def _step(
         if micro_mask is not None:
             mb = _batch(x.actor, mb_rows, S, x.response_len, device, micro_mask)
         m, sl = mb["response_mask"], slice(i, i + mb_rows)
-        if x.fused_loss:  # the lm_head and the policy loss in one pass (ppo.fused_loss)
-            spec = FusedLossSpec(
-                anchor_logprobs=anchors[sl], advantages=advantages[sl], response_mask=m
-            )
-            loss = forward(
-                fused_policy_loss, actor, mb, spec=spec, packed=mb_layout, **logprobs
-            ).loss
-        else:
-            logp, entropy = forward(
-                token_logprobs_and_entropy, actor, mb, packed=mb_layout, **logprobs
-            )
-            loss, _ = policy_loss(logp, anchors[sl], advantages[sl], m)
-            del logp, entropy
+        # the lm_head and the policy loss in one pass, as the recipe's actor micro-step
+        spec = FusedLossSpec(
+            anchor_logprobs=anchors[sl], advantages=advantages[sl], response_mask=m
+        )
+        loss = forward(fused_policy_loss, actor, mb, spec=spec, packed=mb_layout, **logprobs).loss
         loss.backward()
         del loss
         if critic is not None:

@@ -13,16 +13,24 @@ Under FSDP every rank must run the same number of forwards (each forward all-gat
 parameters with the other ranks): :func:`split_rows` takes the largest count over the ranks
 (:func:`~minippo.parallel.max_over_ranks`), and each rank spreads its rows over that count, which
 also balances the ranks' tokens per forward (the rows themselves stay on their rank).
+
+The recipe plans its forwards here: :func:`update_plan` (the micro-batches of every optimizer step
+of a training step, with their packed layouts, before the updates start) and
+:func:`scored_in_forwards` (a no-grad pass over the batch: reference, critic values, anchors).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["balance_tokens", "micro_batch_count", "split_rows"]
+if TYPE_CHECKING:
+    from minippo.models.packing import PackedLayout
+
+__all__ = ["balance_tokens", "micro_batch_count", "scored_in_forwards", "split_rows", "update_plan"]
 
 
 def balance_tokens(lengths: Sequence[int], count: int) -> list[list[int]]:
@@ -92,3 +100,75 @@ def split_rows(
     return [
         [rows[g] for g in balance_tokens(n, c)] for rows, n, c in zip(row_sets, per_set, counts)
     ]
+
+
+def update_plan(
+    host_mask: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    epochs: int,
+    minibatches: int,
+    max_tokens: int | None,
+    max_rows: int | None,
+    pack_start: int | None,
+    device: torch.device | str,
+) -> list[list[tuple[torch.Tensor, PackedLayout | None]]]:
+    """The forwards of one step's PPO updates, planned on the host before they start: per
+    optimizer step (``epochs`` x ``minibatches``, each epoch's rows shuffled by ``generator``)
+    its micro-batches (:func:`split_rows`, collective under FSDP) as (rows, packed layout).
+
+    Args:
+        host_mask:  Bool[B, S] attention mask on the host (CPU)
+        pack_start: the column of the first response token: each micro-batch gets its
+                    :func:`~minippo.models.pack` layout on the host; None: padded (layout None)
+    """
+    from minippo.models import pack
+
+    minibatch_rows = [
+        rows
+        for _epoch in range(epochs)
+        for rows in torch.randperm(host_mask.shape[0], generator=generator).chunk(minibatches)
+    ]
+    micros = split_rows(
+        minibatch_rows, host_mask.sum(1), max_tokens=max_tokens, max_rows=max_rows, device=device
+    )
+    if pack_start is None:
+        return [[(rows, None) for rows in mbs] for mbs in micros]
+    return [[(rows, pack(host_mask[rows], start=pack_start)) for rows in mbs] for mbs in micros]
+
+
+def scored_in_forwards(
+    fn: Callable[[Any, PackedLayout | None], torch.Tensor],
+    batch: Any,
+    *,
+    max_tokens: int | None,
+    max_rows: int | None,
+    pack: bool,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """``fn(chunk, layout)`` of a no-grad pass over ``batch`` (a
+    :class:`~minippo.rl.RolloutBatch`) in forwards of :func:`split_rows` (both limits None: the
+    whole batch at once), concatenated back in row order. Every rank runs as many forwards, so
+    FSDP's collectives line up. ``pack``: each forward gets its packed layout (made from the
+    attention mask's host copy, one copy from the device per pass) on ``device``; else None.
+
+    Returns: ``fn``'s outputs ``[B, ...]`` in the rows' order.
+    """
+    from minippo.models import pack as pack_layout
+
+    host_mask = batch.attention_mask.cpu()
+    (chunks,) = split_rows(
+        [torch.arange(batch.batch_size)],
+        host_mask.sum(1),
+        max_tokens=max_tokens,
+        max_rows=max_rows,
+        device=device,
+    )
+    outs = []
+    for rows in chunks:
+        layout = pack_layout(host_mask[rows], start=batch.prompt_len) if pack else None
+        outs.append(fn(batch.select(rows), None if layout is None else layout.to(device)))
+    order = torch.cat(chunks)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    return torch.cat(outs)[inverse.to(device)]

@@ -12,6 +12,7 @@ estimates, forever). The guard sits between ``backward`` + gradient clipping and
 ``check`` returns False for a non-finite loss or norm (the caller then skips the step: weights and
 optimizer state stay untouched), counts consecutive skips and raises :class:`NonFiniteError` once
 ``max_consecutive`` skips in a row were seen. A finite step resets the run of skips.
+:func:`clip_and_step` is that sequence for one model (the recipe calls it per optimizer step).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from minippo.parallel.distributed import collective_device
 
@@ -110,3 +112,28 @@ class NonFiniteGuard:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.skipped_total = int(state["skipped_total"])
         self.consecutive = int(state["consecutive"])
+
+
+def clip_and_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    guard: NonFiniteGuard,
+    loss: torch.Tensor | float,
+    *,
+    max_norm: float,
+    step: int,
+) -> tuple[torch.Tensor, bool]:
+    """The sequence of the module docstring for ``model``'s gradients: clip their norm to
+    ``max_norm`` (under FSDP2 the norm of the full gradient, the same on every rank), step
+    ``optimizer`` unless ``guard`` finds ``loss`` or the norm non-finite, zero the gradients.
+
+    Returns: (the norm before clipping, a scalar tensor; whether the optimizer stepped).
+    Raises :class:`NonFiniteError` as :meth:`NonFiniteGuard.check` does.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    stepped = guard.check(loss, norm, step=step)
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, stepped

@@ -8,8 +8,9 @@ problem it finds at once, one line each, naming the key or the file and the fix:
   (:data:`ASYNC_PPO_SCHEMA`; unknown keys, from a YAML file as from the command line, get the
   closest declared keys), every ``_component_`` imported and bound to its signature, the
   behaviour-policy correction contract, and the rollout.mode of an SGLang engine on the
-  trainer's GPU (``minippo.plan.shared_gpu_problems``). The recipe's ``validate_config`` adds
-  its shape checks.
+  trainer's GPU (``minippo.plan.shared_gpu_problems``); :func:`async_ppo_shape_problems`: the
+  checks that combine keys (divisibility of the batch, one size per forward, mode-specific
+  keys); :func:`check_async_ppo_config`: both, what the recipe's ``validate_config`` calls.
 * :func:`input_problems`: the files: ``output_dir`` and the paths under it, ``checkpoint_path``
   (config.json and every safetensors file complete), the dataset's local files (present,
   non-empty, in their format), the tokenizer against the model's vocabulary, each prompt +
@@ -128,7 +129,6 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
             "loss_agg_mode": Str(("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")),
             "max_grad_norm": Float(gt=0),
             "whiten_advantages": Bool(),
-            "fused_loss": Bool(optional=True),
         }
     ),
     "kl": Section(
@@ -207,6 +207,127 @@ def config_problems(cfg: DictConfig, schema: dict[str, Spec], world_size: int = 
         except ValueError as e:
             problems.append(str(e))
         problems += shared_gpu_problems(cfg, world_size=world_size)
+    return problems
+
+
+def check_async_ppo_config(cfg: DictConfig, world_size: int, distributed: bool = True) -> None:
+    """Raise one ConfigError with every problem of an async PPO config that needs no model: the
+    keys, types and ranges of :data:`ASYNC_PPO_SCHEMA`, the components and the correction
+    contract (:func:`config_problems`), then, once those hold, :func:`async_ppo_shape_problems`.
+    ``distributed``: the run has a process group (under torchrun)."""
+    raise_problems(config_problems(cfg, ASYNC_PPO_SCHEMA, world_size=world_size))
+    raise_problems(async_ppo_shape_problems(cfg, world_size, distributed))
+
+
+def async_ppo_shape_problems(cfg: DictConfig, world_size: int, distributed: bool) -> list[str]:
+    """The checks of a well-typed async PPO config that combine keys (its shapes), each with its
+    values and a fix: GRPO groups of at least 2, ``groups_per_batch`` divisible by the ranks,
+    rows per rank by ``ppo.minibatches``, minibatch rows by ``ppo.micro_batch_size``, one size
+    per forward (rows or a token budget, which needs ``ppo.pack``), k1 as a KL loss, critic
+    warm-up steps, the keys of one ``rollout.mode`` used with the other, ``rollout.sync_every``
+    against eval, a non-fp32 ``dtype`` without a process group."""
+    from omegaconf import OmegaConf
+
+    from minippo.config import canonical_dtype
+    from minippo.plan import rollout_mode
+    from minippo.rl import needs_critic
+
+    problems: list[str] = []
+    r, ppo, est = cfg.rollout, cfg.ppo, cfg.advantage_estimator
+    if est == "grpo" and r.samples_per_prompt < 2:
+        problems.append(
+            f"advantage_estimator=grpo compares samples of one prompt: rollout.samples_per_prompt "
+            f"({r.samples_per_prompt}) must be >= 2"
+        )
+    if r.groups_per_batch % world_size:
+        problems.append(
+            f"rollout.groups_per_batch ({r.groups_per_batch}) must be divisible by the number of "
+            f"ranks ({world_size}); set rollout.groups_per_batch="
+            f"{max(world_size, r.groups_per_batch // world_size * world_size)}"
+        )
+    rows = r.groups_per_batch // world_size * r.samples_per_prompt  # rows per rank per step
+    if rows % ppo.minibatches:
+        problems.append(
+            f"rows per rank ({rows} = groups_per_batch {r.groups_per_batch} / {world_size} ranks x "
+            f"samples_per_prompt {r.samples_per_prompt}) must be divisible by ppo.minibatches "
+            f"({ppo.minibatches}); pick ppo.minibatches among "
+            f"{[d for d in range(1, rows + 1) if rows % d == 0]}"
+        )
+    elif ppo.micro_batch_size is not None and (mb_rows := rows // ppo.minibatches) % (
+        ppo.micro_batch_size
+    ):
+        divisors = [d for d in range(1, mb_rows + 1) if mb_rows % d == 0]
+        problems.append(
+            f"minibatch rows ({mb_rows}) must be divisible by ppo.micro_batch_size "
+            f"({ppo.micro_batch_size}); pick one of {divisors}"
+            " or null (the whole minibatch in one forward)"
+        )
+    for rows_key, tokens_key in (
+        ("micro_batch_size", "max_tokens_per_micro_batch"),
+        ("score_micro_batch_size", "score_max_tokens_per_micro_batch"),
+    ):
+        if ppo.get(rows_key) is not None and ppo.get(tokens_key) is not None:
+            problems.append(
+                f"ppo.{rows_key} ({ppo[rows_key]}) and ppo.{tokens_key} ({ppo[tokens_key]}) "
+                f"both size the same forwards; set one of them to null"
+            )
+        elif ppo.get(tokens_key) is not None and not ppo.get("pack", True):
+            problems.append(
+                f"ppo.{tokens_key} ({ppo[tokens_key]}) counts real tokens, which bound a "
+                f"forward only when it computes on them: set ppo.pack=true, or ppo.{rows_key} "
+                "for padded forwards"
+            )
+    if cfg.kl.coef > 0 and cfg.kl.mode == "loss" and cfg.kl.estimator == "k1":
+        problems.append(
+            "kl.estimator=k1 with kl.mode=loss has zero expected gradient (E_π[∇log π] = 0); "
+            "set kl.estimator=k2 (gradient of KL(π‖π_ref)) or k3 (gradient of KL(π_ref‖π))"
+        )
+    if needs_critic(est) and cfg.critic.warmup_steps >= cfg.total_steps:
+        problems.append(
+            f"critic.warmup_steps ({cfg.critic.warmup_steps}) must be in [0, total_steps "
+            f"({cfg.total_steps}))"
+        )
+    if rollout_mode(cfg) == "overlap":
+        for key, value in (("oversample", 1.0), ("offload_trainer", False)):
+            if r.get(key, value) != value:
+                problems.append(
+                    f"rollout.{key}={r[key]} needs rollout.mode=alternate (generation between "
+                    f"training steps); set rollout.mode=alternate or rollout.{key}={value}"
+                )
+    sync_every = r.get("sync_every", 1)
+    if rollout_mode(cfg) == "alternate":
+        if sync_every > 1:
+            problems.append(
+                f"rollout.sync_every={sync_every} needs rollout.mode=overlap: alternate puts the "
+                "engine to sleep after every batch (its weights are released) and wakes it only "
+                "to take new weights; set rollout.sync_every=1 or rollout.mode=overlap"
+            )
+        if r.get("oversample", 1.0) > 1 and r.max_staleness == 0:
+            problems.append(
+                f"rollout.oversample={r.oversample} carries groups into the next step, and with "
+                "rollout.max_staleness=0 every carried token is too old: all of them would restart "
+                "each step; set rollout.max_staleness>=1 or rollout.oversample=1.0"
+            )
+    every = OmegaConf.select(cfg, "eval.every_n_steps", default=None)
+    if every is not None and cfg.total_steps % sync_every:
+        problems.append(
+            f"total_steps ({cfg.total_steps}) must be a multiple of rollout.sync_every "
+            f"({sync_every}) when eval is set: the final validation runs on the engines right "
+            "after the last publish; set total_steps="
+            f"{max(sync_every, cfg.total_steps // sync_every * sync_every)}"
+        )
+    if every is not None and every % sync_every:
+        problems.append(
+            f"eval.every_n_steps ({every}) must be a multiple of rollout.sync_every "
+            f"({sync_every}): validation runs on the engines right after a publish, when they "
+            "hold the actor's weights; set eval.every_n_steps="
+            f"{max(sync_every, every // sync_every * sync_every)}"
+        )
+    if canonical_dtype(cfg.dtype, "dtype") != "float32" and not distributed:
+        problems.append(
+            f"dtype={cfg.dtype} is FSDP2 mixed precision (fp32 master weights), which needs a "
+            "process group: run `minippo run --nproc-per-node 1 async_ppo ...`, or set dtype=fp32"
+        )
     return problems
 
 

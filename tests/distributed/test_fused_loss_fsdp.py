@@ -1,12 +1,14 @@
-"""``ppo.fused_loss: true`` trains the same step as the unfused policy loss, on 1 process and on 2
-FSDP2-sharded gloo ranks (the fused pass runs inside the sharded model's forward, where FSDP2 has
-gathered the lm_head, and its gradient goes through the same reduce-scatter).
+"""The recipe's policy loss (the lm_head and the loss in one pass, ``models.fused_policy_loss``)
+trains the same step as the unfused reference (``tests.helpers.reference_actor_backward``:
+``token_logprobs_and_entropy`` then ``rl.policy_loss``), on 1 process and on 2 FSDP2-sharded
+gloo ranks (the fused pass runs inside the sharded model's forward, where FSDP2 has gathered the
+lm_head, and its gradient goes through the same reduce-scatter).
 
-Each case runs one recipe step on the 8 fixed rollouts of tests.helpers twice, fused and unfused,
-from the same weights; the SGD updates must agree. Cases: GAE + critic with the default EWMA
-correction and gradient clipping active; critic-free GRPO with the KL in the loss (k3), TIS
-weights and seq-mean-token-mean (one update per step: the anchor is the training forward's own
-logprob, formed chunk by chunk inside the fused pass); loglinear_prox (an anchor that follows the
+Each case runs one recipe step on the 8 fixed rollouts of tests.helpers twice, as shipped and
+with the reference micro-step, from the same weights; the SGD updates must agree. Cases: GAE +
+critic with the default EWMA correction and gradient clipping active; critic-free GRPO with the
+KL in the loss (k3), TIS weights and seq-mean-token-mean (one update per step: the anchor is the
+training forward's own logprob, formed chunk by chunk inside the fused pass); loglinear_prox (an anchor that follows the
 current policy, also formed inside the pass) with the dual clip and seq-mean-token-sum; TIS at
 sequence level in mask mode (weights that need whole rows: the fused path's extra no-grad forward).
 """
@@ -20,7 +22,12 @@ import torch
 
 from minippo.config import load_config
 from tests.distributed.test_one_vs_two_ranks import _copy, _live_weights
-from tests.helpers import FIXED_BATCH_OVERRIDES, fixed_rollout_batch, recipe_on_fixed_batches
+from tests.helpers import (
+    FIXED_BATCH_OVERRIDES,
+    fixed_rollout_batch,
+    recipe_on_fixed_batches,
+    use_reference_policy_loss,
+)
 
 U = torch.finfo(torch.float32).eps / 2  # unit roundoff 2⁻²⁴
 CASES = {
@@ -61,9 +68,11 @@ def _step(out: Path, name: str, fused: bool, rank: int, world: int) -> dict | No
 
     run = out / f"{name}-{world}-{'fused' if fused else 'unfused'}"
     overrides = [*FIXED_BATCH_OVERRIDES, f"output_dir={run}", *CASES[name]]
-    cfg = load_config("tiny_cpu", [*overrides, f"ppo.fused_loss={str(fused).lower()}"])
+    cfg = load_config("tiny_cpu", overrides)
     with recipe_on_fixed_batches(cfg, lambda step: batch, rank, world) as recipe:
         batch = fixed_rollout_batch(recipe.actor.args, actor_seed=cfg.seed)
+        if not fused:
+            use_reference_policy_loss(recipe)
         _live_weights(recipe, cfg.seed)
         before = _copy(gather_full_state_dict(recipe.actor))
         recipe.train()

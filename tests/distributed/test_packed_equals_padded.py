@@ -1,7 +1,8 @@
 """Packed passes train like padded ones: one recipe step with ``ppo.pack: true`` (token-budget
 micro-batches, on 1 process, 2 FSDP ranks and 2 HSDP ranks) gives the update of ``ppo.pack:
 false`` (rows, 1 process), for every correction, GAE and GRPO, the KL in the reward and in the
-loss, the fused and the unfused policy loss and every loss aggregation mode.
+loss, the recipe's fused policy loss and the unfused reference micro-step of tests.helpers, and
+every loss aggregation mode.
 
 Every case trains ``AsyncPPORecipe`` one step on the same 8 fixed rollouts (tests.helpers; on 2
 ranks rank r gets rows 4r..4r+3) with SGD, so the update is proportional to the gradient
@@ -31,14 +32,19 @@ import torch
 
 from minippo.config import load_config
 from tests.distributed.test_one_vs_two_ranks import _copy, _live_weights
-from tests.helpers import FIXED_BATCH_OVERRIDES, fixed_rollout_batch, recipe_on_fixed_batches
+from tests.helpers import (
+    FIXED_BATCH_OVERRIDES,
+    fixed_rollout_batch,
+    recipe_on_fixed_batches,
+    use_reference_policy_loss,
+)
 
 U = torch.finfo(torch.float32).eps / 2
 C = "correction._component_=minippo.rl.correction."
 CASES = {
     "rollout_logprobs_gae_kl_reward_unfused": [
         C + "RolloutLogprobs", "~correction.cap", "~correction.reset_below",
-        "kl.coef=0.05", "ppo.fused_loss=false", "ppo.max_grad_norm=1e9",
+        "kl.coef=0.05", "ppo.max_grad_norm=1e9",
     ],
     "tis_grpo_kl_loss_fused_seq_mean_token_mean": [
         C + "TIS", "~correction.reset_below", "advantage_estimator=grpo", "kl.coef=0.05",
@@ -49,14 +55,15 @@ CASES = {
         C + "KeepOldActor", "~correction.reset_below", "ppo.loss_agg_mode=seq-mean-token-sum",
     ],
     "ewma_gae_kl_loss_unfused": [
-        "kl.coef=0.05", "kl.mode=loss", "kl.estimator=k2", "ppo.fused_loss=false",
-        "ppo.max_grad_norm=1e9",
+        "kl.coef=0.05", "kl.mode=loss", "kl.estimator=k2", "ppo.max_grad_norm=1e9",
     ],
     "loglinear_prox_grpo_fused_kl_reward": [
         C + "LogLinearProx", "~correction.reset_below", "advantage_estimator=grpo",
         "kl.coef=0.05", "ppo.max_grad_norm=1e9",
     ],
 }  # fmt: skip
+# these cases train the actor with the unfused reference micro-step (rl.policy_loss)
+UNFUSED = {name for name in CASES if name.endswith("_unfused")}
 PADDED = ["ppo.pack=false"]  # rows: micro-batches and scoring chunks of 4 (FIXED_BATCH_OVERRIDES)
 PACKED = [
     "ppo.pack=true",
@@ -83,6 +90,8 @@ def train_one_step(out: Path, case: str, run: str, rank: int, world: int) -> dic
     forwards: list[int] = []
     with recipe_on_fixed_batches(cfg, lambda step: batch, rank, world) as recipe:
         batch = fixed_rollout_batch(recipe.actor.args, actor_seed=cfg.seed)
+        if case in UNFUSED:
+            use_reference_policy_loss(recipe)
         models = _live_weights(recipe, cfg.seed)
         real_plan = recipe._update_plan
 

@@ -1,12 +1,12 @@
 """The recipe's wiring, checked by properties that hold on any CPU (no pinned numbers):
 
-* the per-token anchors, importance weights and keep-mask that reach the policy loss are exactly
-  the correction's own output for the batch (for every correction, through ``rl.policy_loss`` and
-  through the fused pass; for EWMA at step 0 that output is also checked against θ̄ = θ₀ computed
-  here);
+* the per-token anchors, importance weights and keep-mask that reach the policy loss (the fused
+  pass, ``models.fused_policy_loss``) are exactly the correction's own output for the batch (for
+  every correction; for EWMA at step 0 that output is also checked against θ̄ = θ₀ computed here);
 * the importance weights scale the gradient: a batch whose weights are all the TIS cap gives an
   update that scales with the cap;
-* the critic's non-finite guard skips the critic's step and nothing else;
+* the critic's non-finite guard skips the critic's step and nothing else, and the critic's LR
+  schedule does not advance for a step its optimizer skipped (no torch warning either);
 * a short run learns: the reward rises by a margin (tests/recipes/test_async_ppo.py keeps the
   run pinned to one machine's numbers, which only holds on the machine that pinned it).
 
@@ -66,66 +66,10 @@ def config(tmp_path, name: str, *overrides: str):
 def test_policy_loss_gets_the_corrections_own_anchors_and_weights(
     tmp_path, monkeypatch, correction
 ):
-    cfg = config(
-        tmp_path, correction, *SEVERAL_UPDATES, "ppo.fused_loss=false", *CORRECTIONS[correction]
-    )
-    calls: list[dict] = []
-    real_loss = rl.policy_loss
-
-    def recording_loss(logp, anchor, advantages, mask, **kw):
-        calls.append(dict(logp=logp.detach().clone(), anchor=anchor, **kw))
-        return real_loss(logp, anchor, advantages, mask, **kw)
-
-    monkeypatch.setattr(rl, "policy_loss", recording_loss)  # the recipe calls rl.policy_loss
-    with recipe_on_fixed_batches(cfg, lambda step: batch) as recipe:
-        # μ 0.5 nats from the actor (std): some ratios leave EWMA's mask [1/2, 2]
-        batch = fixed_rollout_batch(recipe.actor.args, actor_seed=cfg.seed, mu_noise=0.5)
-        prepared, rows_of_call = [], []
-        real_prepare, real_backward = recipe.correction.prepare, recipe._actor_backward
-
-        def prepare(*args, **kwargs):
-            prepared.append(real_prepare(*args, **kwargs))
-            return prepared[-1]
-
-        def actor_backward(mb, rows, *args):
-            rows_of_call.append(rows.clone())
-            return real_backward(mb, rows, *args)
-
-        recipe.correction.prepare, recipe._actor_backward = prepare, actor_backward
-        recipe.train()
-    (out,) = prepared
-    assert len(calls) == len(rows_of_call) == 8  # 2 epochs x 2 minibatches x 2 micro-batches
-    covered = torch.cat(rows_of_call).sort().values
-    assert torch.equal(covered, torch.arange(8).repeat_interleave(2))  # every row, each epoch
-    for call, rows in zip(calls, rows_of_call):
-        want = out.minibatch(rows, call["logp"])
-        assert not call["anchor"].requires_grad  # the anchor is a constant of the loss
-        assert torch.equal(call["anchor"], want.anchor_logprobs)
-        assert call["weights"] is not None and torch.equal(call["weights"], want.weights)
-        assert torch.equal(call["keep_mask"], want.keep_mask)
-    if correction == "EWMA":  # at step 0, θ̄ = θ₀: the anchors are the initial actor's logprobs
-        mask = batch.response_mask
-        actor0 = init_weights(Transformer(recipe.actor.args), seed=cfg.seed)
-        with torch.no_grad():
-            anchor = response_logprobs(actor0, batch, temperature=1.0)
-        # the same forward in chunks of 4 rows vs all 8: float32 rounding of a logprob of size
-        # ≲ 5 through ~64-term dot products, far below 1e-4
-        torch.testing.assert_close(out.anchor_logprobs * mask, anchor * mask, rtol=0, atol=1e-4)
-        w = symmetric_mask_weights(out.anchor_logprobs, batch.rollout_logprobs, mask, cap=2.0)
-        assert torch.equal(out.weights, w.weights) and torch.equal(out.keep_mask, w.keep)
-        assert float(((w.keep == 0) & (mask > 0)).sum()) > 0  # the mask drops some tokens
-
-
-@pytest.mark.parametrize("correction", list(CORRECTIONS))
-def test_fused_policy_loss_gets_the_corrections_own_anchors_and_weights(
-    tmp_path, monkeypatch, correction
-):
-    """The same with ``ppo.fused_loss: true`` (tiny_cpu's setting): every micro-batch's
-    ``FusedLossSpec`` holds the correction's own tensors for its rows, or, for anchors formed token
-    by token inside the pass, a function that gives what ``minibatch`` gives for those rows."""
-    cfg = config(
-        tmp_path, correction, *SEVERAL_UPDATES, "ppo.fused_loss=true", *CORRECTIONS[correction]
-    )
+    """Every micro-batch's ``FusedLossSpec`` (the recipe's one policy loss) holds the correction's
+    own tensors for its rows, or, for anchors formed token by token inside the pass, a function
+    that gives what ``minibatch`` gives for those rows."""
+    cfg = config(tmp_path, correction, *SEVERAL_UPDATES, *CORRECTIONS[correction])
     calls: list[tuple] = []  # (spec, the pass's output)
     real_fused = models.fused_policy_loss
 
@@ -174,6 +118,18 @@ def test_fused_policy_loss_gets_the_corrections_own_anchors_and_weights(
             assert torch.equal(anchor.view_as(lp), want.anchor_logprobs)
             assert torch.equal(w.view_as(lp), want.weights)
             assert torch.equal(keep.view_as(lp), want.keep_mask)
+    if correction == "EWMA":  # at step 0, θ̄ = θ₀: the anchors are the initial actor's logprobs
+        (out,) = prepared
+        mask = batch.response_mask
+        actor0 = init_weights(Transformer(recipe.actor.args), seed=cfg.seed)
+        with torch.no_grad():
+            anchor = response_logprobs(actor0, batch, temperature=1.0)
+        # the same forward in chunks of 4 rows vs all 8: float32 rounding of a logprob of size
+        # ≲ 5 through ~64-term dot products, far below 1e-4
+        torch.testing.assert_close(out.anchor_logprobs * mask, anchor * mask, rtol=0, atol=1e-4)
+        w = symmetric_mask_weights(out.anchor_logprobs, batch.rollout_logprobs, mask, cap=2.0)
+        assert torch.equal(out.weights, w.weights) and torch.equal(out.keep_mask, w.keep)
+        assert float(((w.keep == 0) & (mask > 0)).sum()) > 0  # the mask drops some tokens
 
 
 def _tis_update(tmp_path, cap: float) -> tuple[dict, dict]:
@@ -187,24 +143,27 @@ def _tis_update(tmp_path, cap: float) -> tuple[dict, dict]:
         "~correction.reset_below",
         f"correction.cap={cap}",
         "ppo.max_grad_norm=1e9",
-        "ppo.fused_loss=false",  # the weights are read where the recipe calls rl.policy_loss
     )
-    weights_seen = []
-    real_loss = rl.policy_loss
+    weights_seen = []  # the weights of each fused pass's loss, on its response tokens
+    real_fused = models.fused_policy_loss
 
-    def recording_loss(*args, **kw):
-        weights_seen.append(kw["weights"])
-        return real_loss(*args, **kw)
+    def recording_fused(model, input_ids, spec, **kw):
+        out = real_fused(model, input_ids, spec, **kw)
+        w = spec.weights  # TIS, one update per step: formed from the pass's own logprobs
+        if spec.token_anchors is not None:
+            w = spec.token_anchors(out.logprobs.reshape(-1), slice(None))[1].view_as(out.logprobs)
+        weights_seen.append(w * spec.response_mask)
+        return out
 
     with recipe_on_fixed_batches(cfg, lambda step: batch) as recipe:
         batch = fixed_rollout_batch(recipe.actor.args, actor_seed=cfg.seed, mu_noise=0.0)
         batch.rollout_logprobs = batch.rollout_logprobs - 5.0 * batch.response_mask
         before = {k: v.detach().clone() for k, v in recipe.actor.state_dict().items()}
-        rl.policy_loss = recording_loss
+        models.fused_policy_loss = recording_fused  # the recipe's call
         try:
             recipe.train()
         finally:
-            rl.policy_loss = real_loss
+            models.fused_policy_loss = real_fused
         after = {k: v.detach().clone() for k, v in recipe.actor.state_dict().items()}
     mask = batch.response_mask
     for w in weights_seen:
@@ -222,9 +181,10 @@ def test_importance_weights_scale_the_gradient(tmp_path):
     for k in before:
         assert torch.equal(before[k], before5[k])
         d2, d5 = a2[k] - before[k], a5[k] - before[k]
-        # the gradients are the same float32 sums with every term scaled by 2.5 (exact up to
-        # one rounding per term and per partial sum: ≤ 2N·u relative to the tensor's largest
-        # update, N = 88 positions), and each new weight is rounded once (u·|θ|)
+        # the gradients are the same float32 sums with every term scaled by 2.5 (the fused pass's
+        # token gradient c_t·w_t·∂L/∂lp_t, and all that is linear in it, up to one rounding per
+        # term and per partial sum: ≤ 2N·u relative to the tensor's largest update, N = 88
+        # positions), and each new weight is rounded once (u·|θ|)
         bound = 2 * 88 * U * d5.abs().max() + U * (a5[k].abs() + 2.5 * a2[k].abs()) * 2
         excess = float(((d5 - 2.5 * d2).abs() / bound.clamp(min=1e-30)).max())
         worst = max(worst, excess)
@@ -232,7 +192,12 @@ def test_importance_weights_scale_the_gradient(tmp_path):
     assert max(float((a2[k] - before[k]).abs().max()) for k in before) > 1e-3
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # lr_scheduler.step() before optimizer.step()
 def test_non_finite_critic_loss_skips_only_the_critic_step(tmp_path, monkeypatch):
+    """The critic's only optimizer step of the run is skipped: the critic and its optimizer state
+    stay as they were, and its LR schedule does not advance (a schedule counts the steps in which
+    its optimizer stepped: torch warns when one advances before its optimizer ever stepped); the
+    actor trains and its schedule advances."""
     cfg = config(tmp_path, "nan_critic", "ppo.max_grad_norm=1e9")
     real_value_loss = rl.value_loss
 
@@ -250,6 +215,8 @@ def test_non_finite_critic_loss_skips_only_the_critic_step(tmp_path, monkeypatch
             assert torch.equal(v, critic0[k]), k  # the critic step was skipped
         assert any(not torch.equal(v, actor0[k]) for k, v in recipe.actor.state_dict().items())
         assert recipe.critic_guard.skipped_total == 1 and recipe.actor_guard.skipped_total == 0
+        assert recipe.critic_scheduler.last_epoch == 0  # not advanced: no critic step was taken
+        assert recipe.scheduler.last_epoch == 1  # the actor stepped: its schedule advanced
         assert recipe.critic_optimizer.state == {} or all(
             torch.isfinite(t).all()
             for s in recipe.critic_optimizer.state.values()

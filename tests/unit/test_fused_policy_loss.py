@@ -307,9 +307,10 @@ def test_bad_shapes_name_the_input(setup):
 
 
 def test_activation_checkpointing_changes_nothing(setup):
-    """``ppo.fused_loss`` with ``activation_checkpointing: true`` (the pair that meets both the speed
-    and the memory goal, docs/benchmarks.md): each block's forward is recomputed by the same ops on
-    the same inputs, so the loss and every gradient are the same to the bit."""
+    """The fused loss (the recipe's update) with ``activation_checkpointing: true`` (the pair that
+    meets both the speed and the memory goal, docs/benchmarks.md): each block's forward is
+    recomputed by the same ops on the same inputs, so the loss and every gradient are the same to
+    the bit."""
     model, batch, kw, x = setup
     spec = _spec(x, AGG[0], None, KL[-1])
     score = dict(start=batch.prompt_len, chunk_size=7, **kw)

@@ -656,25 +656,22 @@ BUDGETS = (
 
 @pytest.mark.skipif(not TINY.exists(), reason="needs configs/tiny_cpu.yaml")
 @pytest.mark.parametrize(
-    ("ranks", "dtype", "fused", "over"),
+    ("ranks", "dtype", "over"),
     [
-        (1, "fp32", "true", ()),
-        (1, "fp32", "false", ()),
-        (2, "bf16", "true", ()),
-        (1, "fp32", "true", BUDGETS),
-        (1, "fp32", "true", ("ppo.pack=false",)),
+        (1, "fp32", ()),
+        (2, "bf16", ()),
+        (1, "fp32", BUDGETS),
+        (1, "fp32", ("ppo.pack=false",)),
     ],
 )
-def test_the_fake_tensor_step_allocates_what_the_real_step_does(ranks, dtype, fused, over):
+def test_the_fake_tensor_step_allocates_what_the_real_step_does(ranks, dtype, over):
     """One recipe step of tiny_cpu (actor, critic, AdamW, activation checkpointing, the fake
-    correction's stored copies, the fused or the unfused policy loss; on 2 ranks FSDP2 over the
+    correction's stored copies, the fused policy loss; on 2 ranks FSDP2 over the
     fake process group in bf16; packed, also with token budgets, and padded):
     FakeTensorMode gives every tensor its real shape and dtype and only leaves out the data, and
     the same ops run on the same shapes, so the peak of live bytes is the same to the byte as on
     real tensors."""
-    cfg = _tiny_cfg(
-        "activation_checkpointing=true", f"dtype={dtype}", f"ppo.fused_loss={fused}", *over
-    )
+    cfg = _tiny_cfg("activation_checkpointing=true", f"dtype={dtype}", *over)
     fake = measure_from_config(cfg, world_size=ranks)
     real = measure_from_config(cfg, world_size=ranks, fake=False)
     assert fake.peak == real.peak > 0

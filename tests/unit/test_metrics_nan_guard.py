@@ -6,19 +6,17 @@ import pytest
 import torch
 from torch import nn
 
-from minippo.training.nan_guard import NonFiniteError, NonFiniteGuard, all_finite
+from minippo.training.nan_guard import NonFiniteError, NonFiniteGuard, all_finite, clip_and_step
 
 
 def _step(model, optim, guard, x, step, *, poison=False):
+    """One optimizer step the recipe's way (``clip_and_step``); True when the optimizer stepped."""
     loss = model(x).pow(2).mean()
     if poison:
         loss = loss * float("nan")
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    took = guard.check(loss, norm, step=step)
-    if took:
-        optim.step()
-    optim.zero_grad(set_to_none=True)
+    norm, took = clip_and_step(model, optim, guard, loss, max_norm=1.0, step=step)
+    assert math.isfinite(float(norm)) != poison  # the norm before clipping, NaN when poisoned
     return took
 
 

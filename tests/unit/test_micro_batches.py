@@ -73,3 +73,73 @@ def test_split_rows_by_rows_by_tokens_or_whole():
         [[0], [2], [1], [3]],
         [[7], [5], [6, 4]],
     ]
+
+
+def _host_mask(prompt: int, lengths: list[int]):
+    """Bool[B, prompt + max(lengths)]: a left-padded prompt of 2 tokens, then each response."""
+    import torch
+
+    mask = torch.zeros(len(lengths), prompt + max(lengths), dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        mask[b, prompt - 2 : prompt + n] = True
+    return mask
+
+
+def test_update_plan_covers_every_row_once_per_epoch_with_its_layout():
+    import torch
+
+    from minippo.models import pack
+    from minippo.training.micro_batches import update_plan
+
+    mask = _host_mask(3, [5, 1, 4, 2, 3, 5])  # real tokens 7, 3, 6, 4, 5, 7
+    kw = dict(epochs=2, minibatches=2, max_tokens=None, max_rows=2, pack_start=3, device="cpu")
+    plan = update_plan(mask, torch.Generator().manual_seed(7), **kw)
+    assert len(plan) == 4  # epochs x minibatches optimizer steps
+    for epoch in (plan[:2], plan[2:]):  # each epoch's minibatches cover every row once
+        rows = torch.cat([r for micros in epoch for r, _ in micros])
+        assert sorted(rows.tolist()) == list(range(6))
+    for micros in plan:
+        assert [len(r) for r, _ in micros] == [2, 1]  # 3 rows per minibatch, 2 per forward
+        for rows, layout in micros:  # the layout packs those rows' real tokens, on the host
+            want = pack(mask[rows], start=3)
+            assert layout.rows.device.type == "cpu" and layout.seq_lens == want.seq_lens
+            assert torch.equal(layout.rows, want.rows) and torch.equal(layout.cols, want.cols)
+    # the same generator state gives the same plan (a resumed run shuffles the same way); padded
+    again = update_plan(mask, torch.Generator().manual_seed(7), **{**kw, "pack_start": None})
+    assert [[r.tolist() for r, _ in m] for m in again] == [[r.tolist() for r, _ in m] for m in plan]
+    assert all(layout is None for micros in again for _, layout in micros)
+
+
+def test_scored_in_forwards_returns_the_rows_in_their_order():
+    import torch
+
+    from minippo.rl.types import RolloutBatch
+    from minippo.training.micro_batches import scored_in_forwards
+
+    lengths = [5, 1, 4, 2, 3, 5]
+    mask = _host_mask(3, lengths)
+    B, S = mask.shape
+    batch = RolloutBatch(
+        input_ids=torch.arange(B)[:, None].expand(B, S).clone(),  # each row holds its index
+        attention_mask=mask,
+        position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
+        response_mask=mask[:, 3:].float(),
+        rollout_logprobs=torch.zeros(B, S - 3),
+        versions=torch.zeros(B, S - 3, dtype=torch.long),
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B),
+        truncated=torch.zeros(B, dtype=torch.bool),
+    )
+    layouts = []
+
+    def fn(chunk, layout):  # the rows' own indices, as a scoring pass returns one value per row
+        layouts.append(layout)
+        return chunk.input_ids[:, 0].float()
+
+    # a budget of 12 tokens regroups the rows (longest first): the output is back in row order
+    out = scored_in_forwards(fn, batch, max_tokens=12, max_rows=None, pack=True, device="cpu")
+    assert out.tolist() == list(range(B)) and len(layouts) > 1
+    assert all(layout is not None for layout in layouts)
+    layouts.clear()
+    out = scored_in_forwards(fn, batch, max_tokens=None, max_rows=4, pack=False, device="cpu")
+    assert out.tolist() == list(range(B)) and layouts == [None, None]

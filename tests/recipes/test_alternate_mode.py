@@ -14,17 +14,20 @@ import textwrap
 import pytest
 
 from minippo.training.metrics import read_jsonl
-from tests.recipes.seeds import SEEDS, check_learns
+from tests.recipes.seeds import check_learns
 from tests.recipes.test_async_ppo import (
     ALTERNATE_LAST_5,
     FAST,
+    QUIET,
     REPO,
     TINY_CPU_SPREAD,
     _env,
     assert_same,
     cli,
+    last_5,
     run_recipes,
     stable,
+    tiny_cpu_seeds,
 )
 
 ALTERNATE = ["rollout.mode=alternate", "rollout.oversample=1.5"]
@@ -88,19 +91,10 @@ def test_partial_rollouts_span_versions_with_exact_keep_old_actor_anchors(tmp_pa
 def test_tiny_cpu_alternate_with_oversample_learns(tmp_path):
     """Alternate mode with oversampling learns, seeds 0-2 against the measured seeds' spread
     (ALTERNATE_LAST_5 in test_async_ppo.py)."""
-    final = {}
-    for seed in SEEDS:
-        out = tmp_path / f"seed{seed}"
-        proc = cli(
-            "run", "async_ppo", "--config", "tiny_cpu", *ALTERNATE, f"seed={seed}",
-            f"output_dir={out}", "progress_bar=false", "checkpoint.export_hf=false",
-            "engine.in_process=true", timeout=600,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows = read_jsonl(out / "metrics.jsonl")
-        final[seed] = sum(r["rollout/reward_mean"] for r in rows[-5:]) / 5
+    runs = tiny_cpu_seeds(tmp_path, *ALTERNATE, *QUIET)
+    for rows in runs.values():
         assert all(r["rollout/groups_in_flight"] == 48 for r in rows)  # ceil(32 x 1.5)
-    check_learns(final, ALTERNATE_LAST_5, "mean reward, last 5 steps", TINY_CPU_SPREAD)
+    check_learns(last_5(runs), ALTERNATE_LAST_5, "mean reward, last 5 steps", TINY_CPU_SPREAD)
 
 
 def test_overlap_refuses_alternate_only_keys(tmp_path):

@@ -392,6 +392,30 @@ def test_every_shipped_config_validates():
 # 2.13.0+cpu): as shipped, with rollout.sync_every=3, and in alternate mode with oversample 1.5;
 # each list holds the padded passes' runs (the first three) and the packed passes' (the last three,
 # the code as shipped: the same seeds, other rounding, as another machine's kernels give). The
+QUIET = ["progress_bar=false", "checkpoint.export_hf=false", "engine.in_process=true"]
+
+
+def tiny_cpu_seeds(tmp_path: Path, *overrides: str) -> dict[int, list[dict]]:
+    """Run tiny_cpu (60 steps) for each of ``SEEDS`` with ``overrides``; seed -> its metric rows."""
+    runs = {}
+    for seed in SEEDS:
+        out = tmp_path / f"seed{seed}"
+        proc = cli(
+            "run", "async_ppo", "--config", "tiny_cpu", *overrides, f"seed={seed}",
+            f"output_dir={out}", timeout=900,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[seed] = read_jsonl(out / "metrics.jsonl")
+    return runs
+
+
+def last_5(runs: dict[int, list[dict]]) -> dict[int, float]:
+    """Seed -> the mean reward of its last 5 steps."""
+    return {
+        seed: sum(r["rollout/reward_mean"] for r in rows[-5:]) / 5 for seed, rows in runs.items()
+    }
+
+
 # spread is pooled over the three variants (alternate's padded seeds all end at the ceiling): s =
 # 0.044; the bounds: mean of 3 seeds >= m - 2 s / sqrt(3), each seed >= m - 3 s
 # (tests/recipes/seeds.py).
@@ -405,18 +429,9 @@ TINY_CPU_SPREAD = pooled_stdev(DEFAULT_LAST_5, SYNC_EVERY_3_LAST_5, ALTERNATE_LA
 def test_tiny_cpu_default_learns(tmp_path):
     """The main job, seeds 0-2: from chance to the final reward of earlier runs, in the mean over
     the seeds and in each one (bounds from the measured seeds' spread)."""
-    final = {}
-    for seed in SEEDS:
-        out = tmp_path / f"seed{seed}"
-        proc = cli(
-            "run", "async_ppo", "--config", "tiny_cpu", f"seed={seed}", f"output_dir={out}",
-            timeout=900,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows = read_jsonl(out / "metrics.jsonl")
-        assert rows[0]["rollout/reward_mean"] < 0.1
-        final[seed] = sum(r["rollout/reward_mean"] for r in rows[-5:]) / 5
-    check_learns(final, DEFAULT_LAST_5, "mean reward, last 5 steps", TINY_CPU_SPREAD)
+    runs = tiny_cpu_seeds(tmp_path)  # as shipped
+    assert all(rows[0]["rollout/reward_mean"] < 0.1 for rows in runs.values())
+    check_learns(last_5(runs), DEFAULT_LAST_5, "mean reward, last 5 steps", TINY_CPU_SPREAD)
 
 
 def test_output_dir_belongs_to_one_run(tmp_path):
@@ -453,17 +468,8 @@ def test_output_dir_belongs_to_one_run(tmp_path):
 def test_tiny_cpu_sync_every_3_learns(tmp_path):
     """Weights reach the engine every 3 steps (versions count publishes): the run still learns,
     seeds 0-2 against the measured seeds' spread."""
-    final = {}
-    for seed in SEEDS:
-        out = tmp_path / f"seed{seed}"
-        proc = cli(
-            "run", "async_ppo", "--config", "tiny_cpu", "rollout.sync_every=3", f"seed={seed}",
-            f"output_dir={out}", "progress_bar=false", "checkpoint.export_hf=false",
-            "engine.in_process=true", timeout=600,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows = read_jsonl(out / "metrics.jsonl")
-        final[seed] = sum(r["rollout/reward_mean"] for r in rows[-5:]) / 5
+    runs = tiny_cpu_seeds(tmp_path, "rollout.sync_every=3", *QUIET)
+    for rows in runs.values():
         assert [r["correction/anchor_version"] for r in rows[:7]] == [0, 0, 0, 1, 1, 1, 2]
         assert max(r["rollout/staleness_max"] for r in rows) <= 1  # in versions
-    check_learns(final, SYNC_EVERY_3_LAST_5, "mean reward, last 5 steps", TINY_CPU_SPREAD)
+    check_learns(last_5(runs), SYNC_EVERY_3_LAST_5, "mean reward, last 5 steps", TINY_CPU_SPREAD)

@@ -34,8 +34,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -136,15 +138,35 @@ def engine_launch_environment(
                 env[key] = value
 
 
+# What SGLang's modules warn at import on a machine without its GPU kernels (AWQ, GGUF and Triton
+# "only on CUDA"): true of every CPU engine, repeated by each of its processes, and nothing a user
+# can act on. The start of each message (warnings filters match a message's start).
+GPU_KERNEL_IMPORT_WARNINGS = ("Only CUDA, ", "Triton is not supported on current platform")
+
+
+@contextlib.contextmanager
+def gpu_kernel_import_warnings_ignored() -> Iterator[None]:
+    """Import SGLang in this process without :data:`GPU_KERNEL_IMPORT_WARNINGS`; other warnings,
+    and these anywhere else, are kept."""
+    with warnings.catch_warnings():
+        for start in GPU_KERNEL_IMPORT_WARNINGS:
+            warnings.filterwarnings("ignore", message=re.escape(start), category=UserWarning)
+        yield
+
+
 def cpu_launch_environment(cpu_threads: int | None) -> dict[str, str]:
     """The variables a CPU engine's processes start with: ``OMP_NUM_THREADS`` = ``cpu_threads``
     (None: half this process's cores over the ranks of this node, at least 1; the trainer takes
-    the other half, ``cpu_threads`` of the recipe)."""
+    the other half, ``cpu_threads`` of the recipe), and ``PYTHONWARNINGS`` with the user's own
+    filters plus an ``ignore`` of each of :data:`GPU_KERNEL_IMPORT_WARNINGS`."""
     if cpu_threads is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         cpu_threads = max(1, (cores or 2) // 2 // ranks)
-    return {"OMP_NUM_THREADS": str(int(cpu_threads))}
+    filters = [f"ignore:{start}:UserWarning" for start in GPU_KERNEL_IMPORT_WARNINGS]
+    if os.environ.get("PYTHONWARNINGS"):
+        filters.insert(0, os.environ["PYTHONWARNINGS"])  # later entries take precedence
+    return {"OMP_NUM_THREADS": str(int(cpu_threads)), "PYTHONWARNINGS": ",".join(filters)}
 
 
 def use_device(device: str, environ: MutableMapping[str, str] | None = None) -> None:

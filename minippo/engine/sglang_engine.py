@@ -130,6 +130,7 @@ from minippo.engine._sglang_process import (
     cpu_launch_environment,
     engine_launch_environment,
     expected_hf_shapes,
+    gpu_kernel_import_warnings_ignored,
     logging_kept,
     on_engine_death,
     register_engine,
@@ -188,25 +189,26 @@ def _load_sglang_api() -> SimpleNamespace:
     tests/sglang_api.py lists every piece of SGLang's API this module uses (these imports, the
     methods, keywords and output keys) and tests/unit/test_sglang_api_compat.py checks it against
     the pinned wheel's source and against this module's own calls."""
-    try:
-        from sglang.srt.entrypoints.engine import Engine, kill_process_tree
-        from sglang.srt.managers.io_struct import (
-            BeginWeightUpdateReqInput,
-            ContinueGenerationReqInput,
-            EndWeightUpdateReqInput,
-            PauseGenerationReqInput,
-            ReleaseMemoryOccupationReqInput,
-            ResumeMemoryOccupationReqInput,
-            UpdateWeightsFromTensorReqInput,
-            UpdateWeightVersionReqInput,
-        )
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    except ImportError as e:
-        raise ImportError(
-            f"SGLangEngine needs sglang=={SGLANG_VERSION} on a CUDA machine "
-            f'(pip install "minippo[sglang]"); importing it failed: {e}'
-        ) from e
+    with gpu_kernel_import_warnings_ignored():
+        try:
+            from sglang.srt.entrypoints.engine import Engine, kill_process_tree
+            from sglang.srt.managers.io_struct import (
+                BeginWeightUpdateReqInput,
+                ContinueGenerationReqInput,
+                EndWeightUpdateReqInput,
+                PauseGenerationReqInput,
+                ReleaseMemoryOccupationReqInput,
+                ResumeMemoryOccupationReqInput,
+                UpdateWeightsFromTensorReqInput,
+                UpdateWeightVersionReqInput,
+            )
+            from sglang.srt.utils import MultiprocessingSerializer
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        except ImportError as e:
+            raise ImportError(
+                f"SGLangEngine needs sglang=={SGLANG_VERSION} on a CUDA machine "
+                f'(pip install "minippo[sglang]"); importing it failed: {e}'
+            ) from e
     return SimpleNamespace(
         Engine=Engine,
         kill_process_tree=kill_process_tree,

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from minippo.engine._sglang_process import GPU_KERNEL_IMPORT_WARNINGS
 from minippo.training.metrics import read_jsonl
 from tests.recipes.test_alternate_mode import SCRIPT as SPANS  # a third of the ids end a response
 from tests.recipes.test_async_ppo import REPO, _env, cli
@@ -44,6 +45,8 @@ def test_tiny_sglang_cpu_learns(tmp_path, launch, overrides):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # the engine's end included
+    # SGLang's "no GPU kernel" import warnings, from every engine process, are not the user's
+    assert not any(w in proc.stderr for w in GPU_KERNEL_IMPORT_WARNINGS), proc.stderr[-3000:]
     rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) == 60 and rows[0]["rollout/reward_mean"] < 0.1
     assert final_reward(rows) >= 0.8, [round(r["rollout/reward_mean"], 3) for r in rows]

@@ -1869,3 +1869,42 @@ def test_a_port_in_use_is_refused_before_the_engine_starts(fake, model_path, mon
         with pytest.raises(ValueError, match=r"set engine\.base_port to a free range"):
             SGLangEngine(model_path, base_port=nccl_port - 1, model_args=ARGS)
     assert not fake  # nothing was started
+
+
+def test_a_cpu_engine_silences_only_sglangs_no_gpu_kernel_warnings(monkeypatch):
+    """SGLang's import warnings that its GPU kernels are missing (AWQ, GGUF, Triton) are dropped in
+    the trainer's import and in the engine's processes (PYTHONWARNINGS), while a user's own
+    PYTHONWARNINGS filters and every other warning stay."""
+    import warnings
+
+    starts = process_care.GPU_KERNEL_IMPORT_WARNINGS
+    samples = ["Only CUDA, HIP and XPU support AWQ currently.", *starts[1:]]
+    assert all(any(s.startswith(start) for s in samples) for start in starts)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with process_care.gpu_kernel_import_warnings_ignored():
+            for message in samples:
+                warnings.warn(message, UserWarning, stacklevel=1)
+            warnings.warn("Only CUDA, but a DeprecationWarning", DeprecationWarning, stacklevel=1)
+            warnings.warn("something else", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == [
+        "Only CUDA, but a DeprecationWarning",
+        "something else",
+    ]
+
+    monkeypatch.setenv("PYTHONWARNINGS", "error::ResourceWarning")
+    env = {**os.environ, **process_care.cpu_launch_environment(cpu_threads=3)}
+    assert env["OMP_NUM_THREADS"] == "3"
+    code = (
+        "import warnings\n"
+        f"for m in {samples!r}: warnings.warn(m, UserWarning)\n"
+        "warnings.warn('kept', UserWarning)\n"
+        "try:\n    warnings.warn('user filter', ResourceWarning)\n"
+        "except ResourceWarning:\n    print('user filter kept')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "user filter kept"
+    assert "kept" in proc.stderr and not any(s in proc.stderr for s in starts), proc.stderr

@@ -504,3 +504,19 @@ def test_a_micro_batch_without_response_tokens(fused):
     assert lp.shape == (1, R) and not lp.any()
     loss.backward()
     assert model.output.weight.grad is not None and not model.output.weight.grad.any()
+
+
+def test_every_shipped_training_config_packs():
+    """Packing is the default and every shipped async_ppo config says so in its ppo section (a
+    user copying one sees the key and its comment)."""
+    from pathlib import Path
+
+    import yaml
+
+    from minippo._cli import registry
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    (recipe,) = [r for r in registry.RECIPES if r.name == "async_ppo"]
+    for config in recipe.configs:
+        ppo = yaml.safe_load((root / config.file_path).read_text())["ppo"]
+        assert ppo.get("pack") is True, f"{config.file_path}: ppo.pack is {ppo.get('pack')!r}"

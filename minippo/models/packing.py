@@ -142,13 +142,12 @@ def pack(
     attention_mask: torch.Tensor,
     *,
     start: int | None = None,
-    device: torch.device | str | None = None,
 ) -> PackedLayout:
     """The :class:`PackedLayout` of a padded batch, from its attention mask ``Bool[b, S]``.
 
-    Pass a host (CPU) copy of the mask: the layout's indices are made on the host and moved to
-    ``device`` (default: the mask's) without waiting for the device. A mask on an accelerator is
-    copied to the host first, which waits for the device once.
+    Pass a host (CPU) copy of the mask: the layout's indices are made on the host, and
+    :meth:`PackedLayout.to` moves them without waiting for the device. A mask on an accelerator is
+    copied to the host first, which waits for the device once, and its layout goes back there.
 
     Raises ValueError when a row has no real token, when a row's real tokens are not contiguous
     (the RolloutBatch layout keeps them so), or, with ``start``, when a row with tokens to score at
@@ -156,7 +155,6 @@ def pack(
     """
     if attention_mask.dim() != 2:
         raise ValueError(f"attention_mask must be Bool[b, S], got {tuple(attention_mask.shape)}")
-    device = attention_mask.device if device is None else torch.device(device)
     mask = attention_mask.to("cpu", torch.bool)
     b, S = mask.shape
     lengths = mask.sum(1)
@@ -190,22 +188,21 @@ def pack(
         src = cu[s_rows].long() + (start + s_cols - first[s_rows]) - 1
         extra = dict(start=start, score_src=src, score_rows=s_rows, score_cols=s_cols)
 
-    def dev(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
-
     buckets, order = _buckets(seq_lens)
-    return PackedLayout(
+    layout = PackedLayout(
         shape=(b, S),
-        rows=dev(rows),
-        cols=dev(cols),
-        positions=dev(positions),
-        cu_seqlens=dev(cu),
+        rows=rows,
+        cols=cols,
+        positions=positions,
+        cu_seqlens=cu,
         seq_lens=seq_lens,
         max_seqlen=max(seq_lens),
-        buckets=tuple(AttentionBucket(g, n, dev(t), dev(s)) for g, n, t, s in buckets),
-        bucket_order=dev(order),
-        **{k: dev(v) if isinstance(v, torch.Tensor) else v for k, v in extra.items()},
+        buckets=tuple(AttentionBucket(g, n, t, s) for g, n, t, s in buckets),
+        bucket_order=order,
+        **extra,
     )
+    device = attention_mask.device
+    return layout if device.type == "cpu" else layout.to(device)
 
 
 def _buckets(

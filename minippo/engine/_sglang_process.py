@@ -160,9 +160,9 @@ def cpu_launch_environment(cpu_threads: int | None) -> dict[str, str]:
     the other half, ``cpu_threads`` of the recipe), and ``PYTHONWARNINGS`` with the user's own
     filters plus an ``ignore`` of each of :data:`GPU_KERNEL_IMPORT_WARNINGS`."""
     if cpu_threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        cpu_threads = max(1, (cores or 2) // 2 // ranks)
+        from minippo.engine.torch_engine import default_num_threads
+
+        cpu_threads = default_num_threads()
     filters = [f"ignore:{start}:UserWarning" for start in GPU_KERNEL_IMPORT_WARNINGS]
     if os.environ.get("PYTHONWARNINGS"):
         filters.insert(0, os.environ["PYTHONWARNINGS"])  # later entries take precedence

@@ -159,7 +159,6 @@ __all__ = [
     "SGLangEngineDied",
     "check_environment",
     "engine_launch_environment",
-    "engine_weight_shapes",
     "prepare_bucket",
     "serialize_bucket",
 ]
@@ -810,7 +809,7 @@ class SGLangEngine:
             torch.device("cuda", self.local_rank) if not cpu and torch.cuda.is_available() else None
         )
         self._call_timeout_s = float(call_timeout_s)
-        self._seeds = random.Random(int(random_seed) + rank)  # drawn in caller threads, locked
+        self._seeds = random.Random(kwargs["random_seed"])  # drawn in caller threads, locked
         self._seed_lock = threading.Lock()
         self._version = int(version)
         self._stamped = int(version)  # newest version handed to the engine
@@ -1629,11 +1628,6 @@ def read_engine_config(model_path: str) -> dict[str, Any]:
             f"engine.model_path must be a local HF folder with config.json (the published "
             f"weights are checked against it): cannot read {path}: {e.strerror}"
         ) from None
-
-
-def engine_weight_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """``{HF name: shape}`` the engine's model expects, from ``model_path``/config.json."""
-    return expected_hf_shapes(_model_args_of(read_engine_config(model_path)))
 
 
 def write_engine_config(model_args: ModelArgs) -> str:

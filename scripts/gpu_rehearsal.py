@@ -814,14 +814,6 @@ def _scheduler_like(port: int, timeout_s: float, conn: Any) -> None:
         conn.send({"ok": False, "seconds": time.perf_counter() - t0, "error": str(e)[:300]})
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def agent_store_worker(out_dir: Path, child_timeout_s: float, control: bool) -> None:
     """One torchrun rank: a trainer-like group, then scheduler-like children (fixed, control)."""
     import multiprocessing
@@ -863,9 +855,7 @@ def start_agent_store_check(child_timeout_s: float, control: bool, work: Path) -
     """Launch the 2-rank torchrun in the background (it runs while the other checks do)."""
     work.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        str(Path(__file__).resolve()), "--agent-store-worker", str(work),
+        *_torchrun(2), str(Path(__file__).resolve()), "--agent-store-worker", str(work),
         "--child-timeout", str(child_timeout_s), *(["--control"] if control else []),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

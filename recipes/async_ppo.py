@@ -37,6 +37,7 @@ from minippo.training.nan_guard import NonFiniteGuard, clip_and_step
 from minippo.training.optimizers import build_optimizer
 from minippo.training.output_dir import OutputDir
 from minippo.training.progress import ProgressBar
+from minippo.training.rank_balance import balance_over_ranks
 from minippo.training.rollout_queue import RolloutQueue
 
 # each rank logs its share of these losses; the logged value is their sum over ranks
@@ -76,8 +77,9 @@ class AsyncPPORecipe:
 
     Every forward computes on the real tokens only (``ppo.pack``). Under torchrun the models are
     built on the meta device and FSDP2-sharded (``parallel.sharding``), each rank drives its own
-    engine with ``groups_per_batch / N`` prompts, and each loss is the rank's share of the global
-    loss; a single process trains unsharded. Papers: PPO (Schulman et al. 2017), GAE (Schulman
+    engine with ``groups_per_batch / N`` prompts, whole groups then move between ranks to even
+    their tokens (``ppo.balance_ranks``), and each loss is the rank's share of the global loss; a
+    single process trains unsharded. Papers: PPO (Schulman et al. 2017), GAE (Schulman
     et al. 2016), GRPO (Shao et al. 2024), PPO-EWMA (Hilton et al. 2021), decoupled PPO (Fu et
     al. 2025), TIS (Yao et al. 2025).
     """
@@ -113,6 +115,7 @@ class AsyncPPORecipe:
         self.ppo = SimpleNamespace(**OmegaConf.to_container(cfg.ppo, resolve=True))
         self.kl = SimpleNamespace(**OmegaConf.to_container(cfg.kl, resolve=True))
         self.pack = bool(cfg.ppo.get("pack", True))  # packed passes: real tokens only
+        self.balance_ranks = bool(cfg.ppo.get("balance_ranks", True))  # groups move between ranks
         self.ckpt_path: Path | None = None  # the last checkpoint saved or loaded
         self.progress = self.queue = self.engine = self.logger = None  # built by setup
         self.output_dir = OutputDir.of_run(cfg)  # one run per output_dir, locked until cleanup
@@ -296,8 +299,10 @@ class AsyncPPORecipe:
             rollouts = self.queue.get_batch(step)
             if self.offload is not None:
                 offload_s += self.offload.reload()
-            batch = rollouts.batch.to(self.device)
-            mask, rewards, metrics = batch.response_mask, batch.rewards, dict(rollouts.metrics)
+            batch, balance = rollouts.batch.to(self.device), {}
+            if self.balance_ranks:  # whole groups move so that every rank has as many tokens
+                batch, balance = balance_over_ranks(batch, self.device)
+            mask, rewards, metrics = batch.response_mask, batch.rewards, rollouts.metrics | balance
 
             # step 2. no-grad passes: reference logprobs, critic values, correction anchors
             t_prep = time.perf_counter()
@@ -340,7 +345,7 @@ class AsyncPPORecipe:
             # step 4. PPO epochs x minibatches, gradient accumulation over micro-batches
             t_train = time.perf_counter()
             train_actor = not (self.use_critic and step < cfg.critic.warmup_steps)
-            plan = self._update_plan(step, rollouts.batch.attention_mask, batch.prompt_len)
+            plan = self._update_plan(step, batch.attention_mask.cpu(), batch.prompt_len)
             inputs = (batch, corr, advantages, returns, values, ref_logprobs, train_actor)
             updates, stepped = self._ppo_updates(step, plan, *inputs)
             metrics |= updates | corr.metrics()

@@ -57,3 +57,31 @@ class RolloutBatch:
     def select(self, rows: torch.Tensor | slice) -> RolloutBatch:
         """The sub-batch of the given rows (a minibatch), every field indexed alike."""
         return replace(self, **{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+    def padded_to(self, prompt_len: int, response_len: int) -> RolloutBatch:
+        """The same rows with prompts left-padded to ``prompt_len`` and responses right-padded to
+        ``response_len`` (each at least the batch's own), so that rows of two batches can be
+        stacked. New pads: token 0 (never attended to or scored), mask False, position 0,
+        logprob 0, version -1."""
+        P, R = self.prompt_len, self.response_mask.shape[1]
+        if prompt_len < P or response_len < R:
+            raise ValueError(
+                f"padded_to({prompt_len}, {response_len}) is narrower than the batch ({P}, {R})"
+            )
+        left, right = prompt_len - P, response_len - R
+
+        def seq(t: torch.Tensor) -> torch.Tensor:  # [B, P + R]
+            return torch.nn.functional.pad(t, (left, right), value=0)
+
+        def resp(t: torch.Tensor, value: float) -> torch.Tensor:  # [B, R]
+            return torch.nn.functional.pad(t, (0, right), value=value)
+
+        return replace(
+            self,
+            input_ids=seq(self.input_ids),
+            attention_mask=seq(self.attention_mask),
+            position_ids=seq(self.position_ids),
+            response_mask=resp(self.response_mask, 0.0),
+            rollout_logprobs=resp(self.rollout_logprobs, 0.0),
+            versions=resp(self.versions, -1),
+        )

@@ -11,8 +11,8 @@ possible one. A sequence longer than the budget takes a group of its own.
 
 Under FSDP every rank must run the same number of forwards (each forward all-gathers the
 parameters with the other ranks): :func:`split_rows` takes the largest count over the ranks
-(:func:`~minippo.parallel.max_over_ranks`), and each rank spreads its rows over that count, which
-also balances the ranks' tokens per forward (the rows themselves stay on their rank).
+(:func:`~minippo.parallel.max_over_ranks`), and each rank spreads its rows over that count
+(:mod:`minippo.training.rank_balance` has already evened the ranks' tokens by moving groups).
 
 The recipe plans its forwards here: :func:`update_plan` (the micro-batches of every optimizer step
 of a training step, with their packed layouts, before the updates start) and

@@ -120,6 +120,7 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
             "micro_batch_size": Int(min=1, null=True),
             "score_micro_batch_size": Int(min=1, null=True),
             "pack": Bool(optional=True),
+            "balance_ranks": Bool(optional=True),
             "max_tokens_per_micro_batch": Int(min=1, null=True, optional=True),
             "score_max_tokens_per_micro_batch": Int(min=1, null=True, optional=True),
             "clip_low": Float(min=0, lt=1),

@@ -20,6 +20,16 @@ N = 8·11 positions in another order (2N·u·G, G the gradient's scale; the rank
 the micro-batches regroup it). So the updates lr·g differ by at most (4N + 4 + 4K·(1 + Z))·u·M
 per tensor, M = max|update| of that tensor, and each side rounds θ₀ − update once (u·|θ₁|). A
 pass that lets a sequence see another, or a wrong micro-batch share, moves the update by O(M).
+
+bfloat16. The same comparison in bfloat16 would not be a test: with u = 2⁻⁸ the bound exceeds
+the update itself. Each pass of this 2-layer model is within 2·(16·2 + 3)·u = 0.27 of its scale
+(tests/unit/test_packing.py), so a logprob within 0.27·Z, a ratio within 0.66 relative (Z = 1.2
+here), a gradient entry within 0.52·G: about 1.2·M in all, so nothing that moves the update by
+O(M) could fail it. The dtype changes only the rounding of the model's passes, which
+tests/unit/test_packing.py compares packed against padded in bfloat16 per pass (logits, logprobs,
+entropies, values, gradients), where its bound is below what a leak or a wrong position moves;
+what the recipe does around them (rows, layouts, shares, corrections, FSDP) is the same code in
+every dtype and is compared here in float32.
 """
 
 from __future__ import annotations

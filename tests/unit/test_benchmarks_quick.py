@@ -60,6 +60,7 @@ MARKERS = {
         "| packed, budget |",
         "real/processed: 1.000 (padded: ",
         "\nspeedup: ",
+        "\nrank tokens max/mean: sampled ",
     ],
     "step_overhead.py": [
         "| phase | wall ms | matmul/attention ms | non-matmul ms |",

@@ -507,8 +507,8 @@ def test_a_micro_batch_without_response_tokens(fused):
 
 
 def test_every_shipped_training_config_packs():
-    """Packing is the default and every shipped async_ppo config says so in its ppo section (a
-    user copying one sees the key and its comment)."""
+    """Packing and balancing the ranks' tokens are the defaults, and every shipped async_ppo
+    config says so in its ppo section (a user copying one sees the keys and their comments)."""
     from pathlib import Path
 
     import yaml
@@ -520,3 +520,5 @@ def test_every_shipped_training_config_packs():
     for config in recipe.configs:
         ppo = yaml.safe_load((root / config.file_path).read_text())["ppo"]
         assert ppo.get("pack") is True, f"{config.file_path}: ppo.pack is {ppo.get('pack')!r}"
+        balance = ppo.get("balance_ranks")
+        assert balance is True, f"{config.file_path}: ppo.balance_ranks is {balance!r}"

@@ -336,8 +336,8 @@ def plan_inputs_from_config(
     ``world_size``: the ranks of one node (``minippo run --nproc-per-node``); ``nnodes``: the
     nodes (``--nnodes``), so the run has ``nnodes · world_size`` ranks and ``parallel.sharding``
     splits each parameter over all of them (``fsdp``) or over one node's (``hsdp``);
-    ``device``: "cuda" or "cpu"; None: cuda when the engine class reserves a share of GPU memory
-    (it takes ``mem_fraction_static``), else cpu. ``gpu_mem_gib``: one GPU's memory (cuda only;
+    ``device``: "cuda" or "cpu"; None: cuda when the engine generates on a GPU (SGLang unless
+    ``engine.device: cpu``, :func:`sglang_on_gpu`; TorchEngine on ``cuda``), else cpu. ``gpu_mem_gib``: one GPU's memory (cuda only;
     default 80).
     """
     from minippo.parallel.mesh import shard_ranks, sharding_of
@@ -356,7 +356,7 @@ def plan_inputs_from_config(
         engine.get("device", "cpu")
     ).startswith("cuda")
     if device is None:
-        device = "cuda" if "mem_fraction_static" in engine or torch_engine_on_gpu else "cpu"
+        device = "cuda" if sglang_on_gpu(cfg) or torch_engine_on_gpu else "cpu"
     if device not in ("cuda", "cpu"):
         raise ConfigError(f"memory plan: device={device!r} must be cuda or cpu")
     if world_size < 1:
@@ -429,6 +429,14 @@ def plan_inputs_from_config(
         engine_weights_host_copy=bool(engine.get("weights_cpu_backup", False)),
         gpu_mem_bytes=gpu,
     )
+
+
+def sglang_on_gpu(cfg: DictConfig) -> bool:
+    """Whether ``engine._component_`` names the SGLang backend on a GPU (``engine.device`` other
+    than "cpu": an SGLang engine on the CPU shares no GPU with the trainer)."""
+    component = OmegaConf.select(cfg, "engine._component_", default=None)
+    on_cpu = OmegaConf.select(cfg, "engine.device", default="cuda") == "cpu"
+    return isinstance(component, str) and component.endswith("SGLangEngine") and not on_cpu
 
 
 def plan_from_config(

@@ -27,18 +27,16 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from minippo.config import ConfigError
-from minippo.plan.config import DEFAULT_GPU_MEM_GIB, engine_options, plan_from_config, rollout_mode
+from minippo.plan.config import (
+    DEFAULT_GPU_MEM_GIB,
+    engine_options,
+    plan_from_config,
+    rollout_mode,
+    sglang_on_gpu,
+)
 from minippo.plan.formula import GiB
 
 __all__ = ["cap_trainer_memory", "shared_gpu_problems", "trainer_memory_fraction"]
-
-
-def sglang_on_gpu(cfg: DictConfig) -> bool:
-    """Whether ``engine._component_`` names the SGLang backend on a GPU (``engine.device`` other
-    than "cpu": an SGLang engine on the CPU shares no GPU with the trainer)."""
-    component = OmegaConf.select(cfg, "engine._component_", default=None)
-    on_cpu = OmegaConf.select(cfg, "engine.device", default="cuda") == "cpu"
-    return isinstance(component, str) and component.endswith("SGLangEngine") and not on_cpu
 
 
 def _trainer_beside_engine(

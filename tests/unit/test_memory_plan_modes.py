@@ -230,3 +230,11 @@ def test_trainer_memory_fraction_is_the_planned_trainer_over_the_gpu():
     cfg = _cfg("qwen3_0_6b_gsm8k_1gpu", *share, "engine.mem_fraction_static=0.5")
     with pytest.raises(ConfigError, match=r"does not fit beside the engine.*\(gpu_mem_bytes\)"):
         trainer_memory_fraction(cfg, gpu_mem_bytes=GPU)
+
+
+def test_the_device_planned_is_where_the_engine_generates():
+    """One rule (``sglang_on_gpu``) for the plan and the shared-GPU checks: SGLang on the CPU
+    (tiny_sglang_cpu) is planned as a CPU run, SGLang on a GPU as a CUDA one."""
+    assert plan_from_config(load_config("tiny_sglang_cpu", [])).inputs.device == "cpu"
+    assert plan_from_config(load_config("tiny_cpu", [])).inputs.device == "cpu"
+    assert _plan("qwen3_4b_dapo_math_8gpu").inputs.device == "cuda"

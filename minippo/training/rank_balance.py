@@ -15,7 +15,9 @@ Whole groups move, so GRPO's group statistics stay on one rank. The losses are s
 global token and sequence counts, so the objective does not depend on which rank trains a row;
 which rows a rank holds changes only the rounding of the gradient sum. A group's weight is its
 real tokens (prompt + response: what a packed forward computes on). The exchange is a function of
-every rank's batch alone, so a resumed run balances exactly as an uninterrupted one.
+every rank's batch alone, so a resumed run balances exactly as an uninterrupted one. Its memory
+is transient, before the passes: one field of every rank's batch twice (gathered and stacked;
+the 8-GPU config: 512 rows x 5120 int64 tokens, 2 x 20 MiB).
 """
 
 from __future__ import annotations

@@ -319,11 +319,7 @@ class Attention(nn.Module):
         if isinstance(mask, PackedLayout):
             return self._packed(x, cos, sin, mask)
         B, S = cos.shape[0], cos.shape[2]
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self._qkv(x, B, S)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, hd]
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if kv_cache is not None:
@@ -344,13 +340,18 @@ class Attention(nn.Module):
         """A packed stream: x [N, D] -> [N, D], q/k/v as [N, heads, hd] (the varlen kernels'
         layout), RoPE tables [N, 1, hd], attention causal inside each sequence of ``layout``."""
         N = x.shape[0]
-        q = self.wq(x).view(N, self.n_heads, self.head_dim)
-        k = self.wk(x).view(N, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(N, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self._qkv(x, N)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         return self.wo(packed_attention(q, k, v, layout).reshape(N, -1))
+
+    def _qkv(self, x: torch.Tensor, *lead: int) -> tuple[torch.Tensor, ...]:
+        """q, k, v of the rows of x as ``[*lead, heads, hd]``, q and k RMS-normed (Qwen3)."""
+        q = self.wq(x).view(*lead, self.n_heads, self.head_dim)
+        k = self.wk(x).view(*lead, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(*lead, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
 
 def repeats_kv_for_mask(q: torch.Tensor) -> bool:

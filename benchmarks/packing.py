@@ -46,7 +46,7 @@ import torch
 from minippo import models, rl
 from minippo.engine.protocol import Completion
 from minippo.models import ModelArgs, Transformer, ValueModel, init_weights, pack, qwen3_tiny
-from minippo.training.micro_batches import balance_tokens, micro_batch_count
+from minippo.training.micro_batches import split_rows
 from minippo.training.rank_balance import assign_groups
 from minippo.training.rollout_queue import collate_completions
 
@@ -91,11 +91,12 @@ def rollout_batch(args: ModelArgs, rows: int, median: float, seed: int):
 def micro_batches(batch, rows: int, budget: bool) -> list[torch.Tensor]:
     """The forwards of one minibatch: rows of ``rows``, or a token budget of rows × S."""
     B, S = batch.input_ids.shape
-    if not budget:
-        return list(torch.arange(B).split(rows))
-    lengths = batch.attention_mask.sum(1).tolist()
-    groups = balance_tokens(lengths, micro_batch_count(lengths, rows * S))
-    return [torch.tensor(g) for g in groups]
+    tokens = rows * S if budget else None
+    lengths = batch.attention_mask.sum(1)
+    (micros,) = split_rows(
+        [torch.arange(B)], lengths, max_tokens=tokens, max_rows=rows, device="cpu"
+    )
+    return micros
 
 
 def rank_loads(draws: int, ranks: int = 8, groups: int = 16, samples: int = 8) -> dict:

@@ -100,17 +100,17 @@ class PackedLayout:
 
     def to(self, device: torch.device | str) -> PackedLayout:
         """The same layout with its tensors on ``device`` (copied without waiting for it)."""
-        moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=True)
+        return self.apply(lambda t: t.to(device, non_blocking=True))
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedLayout:
+        """The same layout with ``fn`` of each of its tensors (the buckets' included)."""
+        tensors = {
+            f.name: fn(getattr(self, f.name))
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
-        buckets = tuple(
-            b._replace(tokens=b.tokens.to(device, non_blocking=True),
-                       slots=b.slots.to(device, non_blocking=True))
-            for b in self.buckets
-        )  # fmt: skip
-        return replace(self, **moved, buckets=buckets)
+        buckets = tuple(b._replace(tokens=fn(b.tokens), slots=fn(b.slots)) for b in self.buckets)
+        return replace(self, **tensors, buckets=buckets)
 
     @property
     def num_tokens(self) -> int:

@@ -175,23 +175,6 @@ def _forwards(x: PlanInputs, rows: int) -> tuple[tuple[Any, Any], tuple[Any, Any
     return out[0], out[1]
 
 
-def _copied(layout: Any) -> Any:
-    """``layout`` with a copy of each tensor made now (under the fake mode: fake copies)."""
-    if layout is None:
-        return None
-    from dataclasses import fields, replace
-
-    copies = {
-        f.name: getattr(layout, f.name).clone()
-        for f in fields(layout)
-        if isinstance(getattr(layout, f.name), torch.Tensor)
-    }
-    buckets = tuple(
-        b._replace(tokens=b.tokens.clone(), slots=b.slots.clone()) for b in layout.buckets
-    )
-    return replace(layout, **copies, buckets=buckets)
-
-
 def _rows(b: dict[str, torch.Tensor], i: int, n: int) -> dict[str, torch.Tensor]:
     return {k: v[i : i + n] for k, v in b.items()}
 
@@ -344,7 +327,9 @@ def _step(
     rows = batch["input_ids"].shape[0]
     mask = batch["response_mask"]
     # the recipe copies each layout to the device: a copy allocated in the step
-    score_layout, mb_layout = _copied(score_layout), _copied(mb_layout)
+    score_layout, mb_layout = (
+        None if lay is None else lay.apply(torch.clone) for lay in (score_layout, mb_layout)
+    )
 
     calls: list[_Call] = []
 

@@ -36,6 +36,7 @@ from minippo.plan.formula import (
     MemoryPlan,
     PlanInputs,
     TorchEngineShape,
+    forward_tokens,
     plan_memory,
 )
 from minippo.rl.advantages import needs_critic
@@ -176,7 +177,7 @@ def _micro_batch_rows(cfg: DictConfig, world_size: int, seq_len: int) -> int:
         return int(rows)
     tokens = _select(cfg, "ppo.max_tokens_per_micro_batch", None)
     if tokens is not None:
-        return max(1, int(tokens) // seq_len)
+        return forward_tokens(tokens, seq_len) // seq_len
     groups = int(_select(cfg, "rollout.groups_per_batch"))
     samples = int(_select(cfg, "rollout.samples_per_prompt"))
     return max(1, groups * samples // world_size // int(_select(cfg, "ppo.minibatches")))
@@ -192,7 +193,7 @@ def _score_rows(cfg: DictConfig, world_size: int, seq_len: int) -> int:
         return int(rows)
     tokens = _select(cfg, "ppo.score_max_tokens_per_micro_batch", None)
     if tokens is not None:
-        return max(1, int(tokens) // seq_len)
+        return forward_tokens(tokens, seq_len) // seq_len
     groups = int(_select(cfg, "rollout.groups_per_batch"))
     samples = int(_select(cfg, "rollout.samples_per_prompt"))
     return max(1, groups * samples // world_size)

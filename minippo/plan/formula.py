@@ -97,6 +97,12 @@ ROLLOUT_MODES = ("alternate", "overlap")
 # Shapes
 
 
+def forward_tokens(budget: int, seq_len: int) -> int:
+    """The most real tokens one forward of a token budget holds: the budget, or one sequence of
+    the longest length ``seq_len`` when that is longer (the recipe gives it a forward alone)."""
+    return max(int(budget), seq_len)
+
+
 def model_param_shapes(args: Any, *, value_head: bool = False) -> list[tuple[int, ...]]:
     """Shapes of the distinct parameters of ``Transformer(args)`` (``ValueModel`` with
     ``value_head``), built on the meta device: nothing is allocated. Tied weights count once."""
@@ -429,7 +435,7 @@ class PlanInputs:
         alone), else micro_batch · seq_len."""
         if self.micro_tokens is None:
             return self.micro_batch * self.seq_len
-        return max(self.micro_tokens, self.seq_len)
+        return forward_tokens(self.micro_tokens, self.seq_len)
 
     @property
     def sharded(self) -> bool:

@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minippo.config import ConfigError, torch_dtype
 from minippo.plan.config import MASTER_DTYPE, _select, plan_inputs_from_config
-from minippo.plan.formula import PlanInputs, model_param_shapes
+from minippo.plan.formula import PlanInputs, forward_tokens, model_param_shapes
 
 __all__ = ["MeasuredPeak", "measure_from_config", "measure_step"]
 
@@ -166,7 +166,7 @@ def _forwards(x: PlanInputs, rows: int) -> tuple[tuple[Any, Any], tuple[Any, Any
     for tokens, n_rows in ((x.score_tokens, x.score_rows or rows), (x.micro_tokens, x.micro_batch)):
         mask = None
         if x.packed and tokens is not None:
-            mask = _budget_mask(max(tokens, S), S, x.response_len)
+            mask = _budget_mask(forward_tokens(tokens, S), S, x.response_len)
         layout = None
         if x.packed:
             real = torch.ones(min(n_rows, rows), S, dtype=torch.bool) if mask is None else mask

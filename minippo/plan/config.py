@@ -353,9 +353,7 @@ def plan_inputs_from_config(
         cpath = _select(cfg, "critic.checkpoint_path", None)
         critic = _args_from_hf_folder(cpath, "critic.checkpoint_path") if cpath else actor
     engine_cls, engine = engine_options(cfg)
-    torch_engine_on_gpu = _is_torch_engine(engine_cls) and str(
-        engine.get("device", "cpu")
-    ).startswith("cuda")
+    torch_engine_on_gpu = _is_torch_engine(engine_cls) and str(engine["device"]).startswith("cuda")
     if device is None:
         device = "cuda" if sglang_on_gpu(cfg) or torch_engine_on_gpu else "cpu"
     if device not in ("cuda", "cpu"):
@@ -379,12 +377,12 @@ def plan_inputs_from_config(
     fraction = engine.get("mem_fraction_static") if device == "cuda" else None
     torch_engine = None
     if device == "cuda" and torch_engine_on_gpu:
-        torch_engine = TorchEngineShape(
-            rows=min(int(engine.get("max_batch_size", 256)), _rows_in_flight(cfg, ranks)),
+        torch_engine = TorchEngineShape(  # engine_options: the node's values or the defaults
+            rows=min(int(engine["max_batch_size"]), _rows_in_flight(cfg, ranks)),
             prompt_len=_prompt_len(cfg),
             max_new_tokens=response,
-            dtype_bytes=dtype_bytes(str(engine.get("dtype", "fp32")), "engine.dtype"),
-            own_process=not engine.get("in_process", False),
+            dtype_bytes=dtype_bytes(str(engine["dtype"]), "engine.dtype"),
+            own_process=not engine["in_process"],
         )
     seq_len = _prompt_len(cfg) + response
     micro_batch = _micro_batch_rows(cfg, ranks, seq_len)

@@ -40,6 +40,20 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> 
     os._exit(0)
 
 
+@contextmanager
+def shared_process_group() -> Iterator[None]:
+    """In a rank of ``run_on_ranks``: one process group for several recipe runs in turn (the
+    recipe's cleanup, which ends the group, leaves it open), ended on exit."""
+    import minippo.parallel as parallel
+
+    destroy, parallel.destroy_distributed = parallel.destroy_distributed, lambda: None
+    parallel.init_distributed()
+    try:
+        yield
+    finally:
+        destroy()
+
+
 def run_on_ranks(fn: Callable, *args: Any, world_size: int = 2) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes with torchrun's
     environment variables set (a free port per call); an exception on any rank raises here.

@@ -88,16 +88,12 @@ def _all(out: Path, rank: int, world: int) -> dict:
 
 
 def _two_ranks(rank: int, world: int, out: str) -> None:
-    import minippo.parallel as parallel
+    from tests.helpers import shared_process_group
 
-    destroy, parallel.destroy_distributed = parallel.destroy_distributed, lambda: None
-    parallel.init_distributed()
-    try:
+    with shared_process_group():
         results = _all(Path(out), rank, world)
         if rank == 0:
             torch.save(results, Path(out) / "two_ranks.pt")
-    finally:
-        destroy()
 
 
 @pytest.fixture(scope="module")

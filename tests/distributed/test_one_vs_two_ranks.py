@@ -113,17 +113,12 @@ def _copy(sd: dict) -> dict:
 
 
 def _two_ranks(rank: int, world: int, out: str) -> None:
-    import minippo.parallel as parallel
+    from tests.helpers import shared_process_group
 
-    # the cases share one process group: the recipe's cleanup must not end it between cases
-    destroy, parallel.destroy_distributed = parallel.destroy_distributed, lambda: None
-    parallel.init_distributed()
-    try:
+    with shared_process_group():  # the cases in turn
         results = {name: train_one_step(Path(out), name, rank, world) for name in CASES}
         if rank == 0:
             torch.save(results, Path(out) / "two_ranks.pt")
-    finally:
-        destroy()
 
 
 @pytest.fixture(scope="module")

@@ -121,13 +121,10 @@ def train_one_step(out: Path, case: str, run: str, rank: int, world: int) -> dic
 
 
 def _ranks(rank: int, world: int, out: str) -> None:
-    import minippo.parallel as parallel
+    from tests.helpers import shared_process_group
 
-    # the cases share one process group: the recipe's cleanup must not end it between cases
-    destroy, parallel.destroy_distributed = parallel.destroy_distributed, lambda: None
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # HSDP: each rank a "node" of one rank, mesh (2, 1)
-    parallel.init_distributed()
-    try:
+    with shared_process_group():  # the cases in turn
         results = {
             (case, run): train_one_step(Path(out), case, run, rank, world)
             for case in CASES
@@ -135,8 +132,6 @@ def _ranks(rank: int, world: int, out: str) -> None:
             if w == world
         }
         torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        destroy()
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from tests.helpers import (
     fixed_rollout_batch,
     recipe_on_fixed_batches,
     run_on_ranks,
+    shared_process_group,
 )
 
 ORDER = [0, 2, 5, 7, 1, 3, 4, 6]  # rows of the fixed batch: rank 0 gets the first four
@@ -135,11 +136,7 @@ def train_one_step(out: Path, case: str, balance: bool, rank: int, world: int) -
 
 
 def _ranks(rank: int, world: int, out: str) -> None:
-    import minippo.parallel as parallel
-
-    destroy, parallel.destroy_distributed = parallel.destroy_distributed, lambda: None
-    parallel.init_distributed()
-    try:
+    with shared_process_group():  # the cases in turn
         results = {
             (case, balance): train_one_step(Path(out), case, balance, rank, world)
             for case in CASES
@@ -147,8 +144,6 @@ def _ranks(rank: int, world: int, out: str) -> None:
         }
         if rank == 0:
             torch.save(results, Path(out) / "two_ranks.pt")
-    finally:
-        destroy()
 
 
 @pytest.fixture(scope="module")

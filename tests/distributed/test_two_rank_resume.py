@@ -68,16 +68,12 @@ def actor_weights(ckpt: Path, tmp: Path) -> dict:
 
 
 def _runs(rank: int, world: int, out: str) -> None:
-    import minippo.parallel as parallel
     from minippo.config import load_config
-    from tests.helpers import recipe_globals
+    from tests.helpers import recipe_globals, shared_process_group
 
-    # several runs share this process group: the recipe's cleanup must not end it
-    destroy, parallel.destroy_distributed = parallel.destroy_distributed, lambda: None
-    parallel.init_distributed()
     main = recipe_globals()["recipe_main"]
     threads = torch.get_num_threads()
-    try:
+    with shared_process_group():  # the runs in turn
         for name, extra in CORRECTIONS.items():
             common = [*SMALL, "engine.in_process=true", "cpu_threads=1", *extra]
             full, part = f"{out}/{name}_full", f"{out}/{name}_part"
@@ -88,8 +84,6 @@ def _runs(rank: int, world: int, out: str) -> None:
             ):
                 main(load_config("tiny_cpu", overrides))
                 torch.set_num_threads(threads)
-    finally:
-        destroy()
 
 
 def test_two_rank_resume_equals_uninterrupted_two_rank_run(tmp_path, run_on_ranks):

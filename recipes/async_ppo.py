@@ -345,7 +345,8 @@ class AsyncPPORecipe:
             # step 4. PPO epochs x minibatches, gradient accumulation over micro-batches
             t_train = time.perf_counter()
             train_actor = not (self.use_critic and step < cfg.critic.warmup_steps)
-            plan = self._update_plan(step, batch.attention_mask.cpu(), batch.prompt_len)
+            host = (batch if balance else rollouts.batch).attention_mask.cpu()  # moved rows: a copy
+            plan = self._update_plan(step, host, batch.prompt_len)
             inputs = (batch, corr, advantages, returns, values, ref_logprobs, train_actor)
             updates, stepped = self._ppo_updates(step, plan, *inputs)
             metrics |= updates | corr.metrics()

@@ -41,6 +41,8 @@ from minippo.training.rank_balance import balance_over_ranks
 from minippo.training.rollout_queue import RolloutQueue
 
 # each rank logs its share of these losses; the logged value is their sum over ranks
+PPO_DEFAULT = dict(pack=True, balance_ranks=True, entropy_coef=0.0,  # ppo keys a config may omit
+                   max_tokens_per_micro_batch=None, score_max_tokens_per_micro_batch=None)  # fmt: skip
 LOSS_SHARES = ("train/loss", "train/policy_loss", "train/kl_loss", "train/value_loss")
 
 
@@ -68,9 +70,9 @@ class AsyncPPORecipe:
     4. PPO updates: ``ppo.epochs`` x ``ppo.minibatches`` optimizer steps, each accumulated over
        micro-batches (``ppo.max_tokens_per_micro_batch`` tokens or ``ppo.micro_batch_size``
        rows): the clipped policy loss x IS weights, fused with the lm_head (+ β·KL with
-       ``kl.mode: loss``), and the clipped value loss; the first ``critic.warmup_steps`` train
-       only the critic. A non-finite loss or gradient norm skips that optimizer step. Each LR
-       schedule advances once per step in which its optimizer stepped.
+       ``kl.mode: loss``, − η·entropy), and the clipped value loss (the first
+       ``critic.warmup_steps`` steps: the critic only). A non-finite loss or gradient norm skips
+       that optimizer step. Each LR schedule advances once per step in which its optimizer stepped.
     5. publish, every ``rollout.sync_every`` steps: every rank gathers the full weights bucket by
        bucket into its own engine as version ``(step + 1) // sync_every``.
     6. log; every ``checkpoint.every_n_steps`` an atomic checkpoint to resume exactly from.
@@ -110,12 +112,9 @@ class AsyncPPORecipe:
         # weights reach the engines every `sync_every` steps; versions count publishes, so step
         # s trains on data of version s // sync_every or older (docs/recipe.md, "Sync cycles")
         self.sync_every = int(cfg.rollout.get("sync_every", 1))
-        # ppo and kl as plain attributes: the micro-batch loop reads them a few hundred times a
-        # step, and a DictConfig lookup costs 10-30 µs
-        self.ppo = SimpleNamespace(**OmegaConf.to_container(cfg.ppo, resolve=True))
+        # ppo and kl as plain attributes: the loop reads them often (a DictConfig lookup: 10-30 µs)
+        self.ppo = SimpleNamespace(**PPO_DEFAULT | OmegaConf.to_container(cfg.ppo, resolve=True))
         self.kl = SimpleNamespace(**OmegaConf.to_container(cfg.kl, resolve=True))
-        self.pack = bool(cfg.ppo.get("pack", True))  # packed passes: real tokens only
-        self.balance_ranks = bool(cfg.ppo.get("balance_ranks", True))  # groups move between ranks
         self.ckpt_path: Path | None = None  # the last checkpoint saved or loaded
         self.progress = self.queue = self.engine = self.logger = None  # built by setup
         self.output_dir = OutputDir.of_run(cfg)  # one run per output_dir, locked until cleanup
@@ -300,7 +299,7 @@ class AsyncPPORecipe:
             if self.offload is not None:
                 offload_s += self.offload.reload()
             batch, balance = rollouts.batch.to(self.device), {}
-            if self.balance_ranks:  # whole groups move so that every rank has as many tokens
+            if self.ppo.balance_ranks:  # whole groups move so that every rank has as many tokens
                 batch, balance = balance_over_ranks(batch, self.device)
             mask, rewards, metrics = batch.response_mask, batch.rewards, rollouts.metrics | balance
 
@@ -417,10 +416,10 @@ class AsyncPPORecipe:
     def _scored(self, fn, batch) -> torch.Tensor:
         """A no-grad pass ``fn(chunk, layout)`` in forwards of
         ``ppo.score_max_tokens_per_micro_batch`` tokens or ``ppo.score_micro_batch_size`` rows."""
-        max_tokens = getattr(self.ppo, "score_max_tokens_per_micro_batch", None)
+        max_tokens = self.ppo.score_max_tokens_per_micro_batch
         return scored_in_forwards(
             fn, batch, max_tokens=max_tokens, max_rows=self.ppo.score_micro_batch_size,
-            pack=self.pack, device=self.device,
+            pack=self.ppo.pack, device=self.device,
         )  # fmt: skip
 
     def _logprobs(self, model, batch, layout) -> torch.Tensor:  # at the sampling temperature
@@ -438,8 +437,8 @@ class AsyncPPORecipe:
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 1009 + self.rank)
         return update_plan(
             host_mask, gen, epochs=ppo.epochs, minibatches=ppo.minibatches,
-            max_tokens=getattr(ppo, "max_tokens_per_micro_batch", None),
-            max_rows=ppo.micro_batch_size, pack_start=prompt_len if self.pack else None,
+            max_tokens=ppo.max_tokens_per_micro_batch,
+            max_rows=ppo.micro_batch_size, pack_start=prompt_len if ppo.pack else None,
             device=self.device,
         )  # fmt: skip
 
@@ -524,6 +523,7 @@ class AsyncPPORecipe:
             **anchors, **agg, advantages=advantages, response_mask=m, eps_low=ppo.clip_low,
             eps_high=ppo.clip_high, dual_clip=ppo.dual_clip, kl_estimator=kl.estimator,
             ref_logprobs=ref_logprobs if with_kl else None, kl_coef=kl.coef,
+            entropy_coef=ppo.entropy_coef,
         )  # fmt: skip
         out = models.fused_policy_loss(self.actor, mb.input_ids, spec, **score)
         if token_anchors is not None:

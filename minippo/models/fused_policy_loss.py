@@ -7,11 +7,13 @@ of ``chunk_size`` tokens computes its logits z = lm_head(h) / T, the logprob and
 token gradient g_t = ∂loss/∂lp_t, and at once that chunk's gradients into the hidden states and
 the lm_head weight,
 
-    ∂loss/∂z_t = g_t · (onehot(y_t) − softmax(z_t)),   ∂loss/∂logits = ∂loss/∂z / T,
+    ∂loss/∂z_t = g_t · (onehot(y_t) − p_t) + η · c_t · p_t ⊙ (log p_t + H_t),
+    ∂loss/∂logits = ∂loss/∂z / T,
 
-then frees the logits. Backward only scales the saved gradients by the incoming one: no chunk is
-recomputed (:mod:`minippo.models.logprobs` checkpoints every chunk and recomputes it instead).
-The entropy is computed for the metrics only; no loss term of the recipe uses it.
+then frees the logits (p_t = softmax(z_t), H_t its entropy; the second term is the gradient of
+the entropy bonus −η·aggregate(H), present when ``entropy_coef`` η > 0). Backward only scales the
+saved gradients by the incoming one: no chunk is recomputed (:mod:`minippo.models.logprobs`
+checkpoints every chunk and recomputes it instead).
 
 Token gradient (m: response mask, k: keep-mask, w: weight, a: anchor, A: advantage, c_t: the
 aggregation coefficient ∂aggregate/∂L_t of ``rl.aggregate`` with the global counts, r = exp(ρ),
@@ -53,7 +55,8 @@ class FusedLossSpec:
     Fields: ``anchor_logprobs``, ``advantages``, ``response_mask``, ``weights`` (None: 1),
     ``keep_mask`` (None: all kept), ``eps_low``, ``eps_high``, ``dual_clip``, ``agg_mode``,
     ``global_tokens``, ``global_seqs``: as in ``rl.policy_loss``; ``ref_logprobs`` (None: no KL
-    term), ``kl_estimator``, ``kl_coef``: the β·``rl.kl_loss`` term added to the loss.
+    term), ``kl_estimator``, ``kl_coef``: the β·``rl.kl_loss`` term added to the loss;
+    ``entropy_coef`` η: the entropy bonus −η·``rl.aggregate(entropy, response_mask)`` added to it.
     ``token_anchors``: instead of ``anchor_logprobs``, ``weights`` and ``keep_mask`` (all None
     then), ``(lp Float32[n], sl) -> (anchor, weight, keep)`` of the flattened ``[B·R]`` tokens
     ``sl`` from their detached logprobs, token by token (``PolicyAnchors.token_anchors``).
@@ -73,6 +76,7 @@ class FusedLossSpec:
     ref_logprobs: torch.Tensor | None = None
     kl_estimator: str = "k3"
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0
     token_anchors: (
         Callable[[torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None
     ) = None
@@ -82,7 +86,7 @@ class FusedPolicyOutput(NamedTuple):
     """What a fused scoring pass returns.
 
     Fields:
-        loss       scalar with grad: this micro-batch's policy loss (+ β·KL loss)
+        loss       scalar with grad: this micro-batch's policy loss (+ β·KL loss − η·entropy)
         stats      :class:`~minippo.rl.PolicyStats` of ``rl.policy_loss`` (policy term only)
         kl_stats   :class:`~minippo.rl.KLStats` of ``rl.kl_loss`` (None without a KL term)
         logprobs   Float32[B, R], detached
@@ -225,17 +229,25 @@ class _FusedPolicyLoss(torch.autograd.Function):
             lse = torch.logsumexp(z, dim=-1)
             lp = z.gather(-1, tc[:, None]).squeeze(-1) - lse
             p = torch.softmax(z, dim=-1)
-            ent_all[sl] = lse - torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
-            lp_all[sl] = lp
-            del z
+            ent = lse - torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
+            ent_all[sl], lp_all[sl] = ent, lp
             if not need_grad:
                 continue
             # g in the logprobs' float32, as autograd hands it to the logprob's own backward
             t = _chunk_inputs(prep, sl, lp, spec, positions)
             g = _token_grad(lp, t, spec).to(lp.dtype)
+            # the entropy bonus's η·c·p ⊙ (z − lse + H), in z's place (log p = z − lse)
+            dent = None
+            if spec.entropy_coef != 0.0:
+                scale = torch.where(t["valid"], spec.entropy_coef * t["coef"], 0.0)
+                dent = z.sub_((lse - ent)[:, None]).mul_(p).mul_(scale[:, None])
+            del z
             # ∂loss/∂logits = g · (onehot − p) / T, then in the lm_head's dtype (autograd's order)
             dz = p.mul_(-g[:, None])
             dz.scatter_add_(-1, tc[:, None], g[:, None])
+            if dent is not None:
+                dz.add_(dent)
+                del dent
             dz = dz.div_(temperature).to(h.dtype)
             del p
             if grad_h is not None:
@@ -362,6 +374,14 @@ def fused_policy_loss_from_hidden(
             )
             loss = loss + spec.kl_coef * kl
             out["kl_stats"] = kst
+        if spec.entropy_coef != 0.0:
+            loss = loss - spec.entropy_coef * aggregate(
+                full(ent),
+                spec.response_mask,
+                spec.agg_mode,
+                global_tokens=spec.global_tokens,
+                global_seqs=spec.global_seqs,
+            )
         return loss.detach().clone()
 
     loss, lp, ent = _FusedPolicyLoss.apply(

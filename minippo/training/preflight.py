@@ -126,6 +126,7 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
             "clip_low": Float(min=0, lt=1),
             "clip_high": Float(min=0),
             "dual_clip": Float(gt=1, null=True),
+            "entropy_coef": Float(min=0, optional=True),
             "value_clip": Float(gt=0, null=True),
             "loss_agg_mode": Str(("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")),
             "max_grad_norm": Float(gt=0),

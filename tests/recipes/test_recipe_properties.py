@@ -132,6 +132,36 @@ def test_policy_loss_gets_the_corrections_own_anchors_and_weights(
         assert float(((w.keep == 0) & (mask > 0)).sum()) > 0  # the mask drops some tokens
 
 
+def test_entropy_coef_enters_every_policy_loss(tmp_path, monkeypatch):
+    """``ppo.entropy_coef`` η reaches every micro-batch's fused pass, whose loss is then the
+    policy loss − η·aggregate(entropy) (the gradient of that term: tests/unit/
+    test_fused_policy_loss.py); the step's train/loss moves with it."""
+    cfg = config(tmp_path, "entropy", *SEVERAL_UPDATES, "ppo.entropy_coef=0.3")
+    calls: list[tuple] = []
+    real_fused = models.fused_policy_loss
+
+    def recording_fused(model, input_ids, spec, **kw):
+        calls.append((spec, real_fused(model, input_ids, spec, **kw)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(models, "fused_policy_loss", recording_fused)
+    with recipe_on_fixed_batches(cfg, lambda step: batch) as recipe:
+        batch = fixed_rollout_batch(recipe.actor.args, actor_seed=cfg.seed, mu_noise=0.5)
+        recipe.train()
+    assert len(calls) == 8
+    for spec, out in calls:
+        assert spec.entropy_coef == 0.3
+        ent = rl.aggregate(
+            out.entropy, spec.response_mask, spec.agg_mode,
+            global_tokens=spec.global_tokens, global_seqs=spec.global_seqs,
+        )  # fmt: skip
+        assert float(ent) > 0.1
+        want = out.stats.policy_loss - 0.3 * ent
+        # the same two float32 scalar ops as the pass: equal up to a rounding of their sizes
+        eps = torch.finfo(torch.float32).eps
+        assert abs(float(out.loss - want)) <= 2 * eps * (abs(float(want)) + float(ent))
+
+
 def _tis_update(tmp_path, cap: float) -> tuple[dict, dict]:
     """One GRPO step with TIS at ``cap`` on a batch whose μ is 5 nats below the anchor on every
     token: every ratio exp(a − μ) = e⁵ exceeds the cap, so every weight is the cap."""

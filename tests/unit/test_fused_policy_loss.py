@@ -69,7 +69,7 @@ def _inputs(batch, lp: torch.Tensor, seed: int = 1) -> dict:
     }
 
 
-def _spec(x: dict, agg: str, dual_clip, kl) -> FusedLossSpec:
+def _spec(x: dict, agg: str, dual_clip, kl, entropy_coef: float = 0.0) -> FusedLossSpec:
     return FusedLossSpec(
         anchor_logprobs=x["anchor"],
         advantages=x["adv"],
@@ -85,10 +85,11 @@ def _spec(x: dict, agg: str, dual_clip, kl) -> FusedLossSpec:
         ref_logprobs=None if kl is None else x["ref"],
         kl_estimator=kl or "k3",
         kl_coef=0.3,
+        entropy_coef=entropy_coef,
     )
 
 
-def _unfused(logp: torch.Tensor, spec: FusedLossSpec):
+def _unfused(logp: torch.Tensor, spec: FusedLossSpec, entropy: torch.Tensor | None = None):
     agg = dict(
         agg_mode=spec.agg_mode, global_tokens=spec.global_tokens, global_seqs=spec.global_seqs
     )
@@ -108,6 +109,15 @@ def _unfused(logp: torch.Tensor, spec: FusedLossSpec):
     if spec.ref_logprobs is not None:
         kl, kst = rl.kl_loss(logp, spec.ref_logprobs, spec.response_mask, spec.kl_estimator, **agg)
         loss = loss + spec.kl_coef * kl
+    if spec.entropy_coef:
+        ent = rl.aggregate(
+            entropy,
+            spec.response_mask,
+            spec.agg_mode,
+            global_tokens=spec.global_tokens,
+            global_seqs=spec.global_seqs,
+        )
+        loss = loss - spec.entropy_coef * ent
     return loss, st, kst
 
 
@@ -145,11 +155,30 @@ _CASES = [c if c in _covering_cases() else pytest.param(*c, marks=pytest.mark.sl
 
 @pytest.mark.parametrize("agg,dual_clip,kl,temperature", _CASES)
 def test_model_gradients_equal_unfused(setup, agg, dual_clip, kl, temperature):
-    model, batch, kw, x = setup
-    spec = _spec(x, agg, dual_clip, kl)
+    _check_equals_unfused(setup, _spec(setup[3], agg, dual_clip, kl), temperature)
+
+
+@pytest.mark.parametrize("agg", AGG)
+def test_entropy_bonus_gradients_equal_unfused(setup, agg):
+    """``entropy_coef`` η: the loss − η·aggregate(entropy), its gradient through every logit
+    (entropy with autograd on the unfused side); the term changes the gradients it is compared
+    on, so a fused pass that ignored it would fail."""
+    x = setup[3]
+    grads = _check_equals_unfused(setup, _spec(x, agg, 1.3, "k3", entropy_coef=0.5), 0.7)
+    plain = _check_equals_unfused(setup, _spec(x, agg, 1.3, "k3"), 0.7)
+    for name, g in grads.items():
+        assert (g - plain[name]).abs().max() > 1e-3 * g.abs().max(), name
+
+
+def _check_equals_unfused(setup, spec: FusedLossSpec, temperature: float) -> dict:
+    """The fused pass against the unfused loss with autograd: loss, logprobs, entropy, statistics
+    and every parameter's gradient, each within its rounding bound; returns the fused gradients."""
+    model, batch, kw, _ = setup
     score = dict(start=batch.prompt_len, temperature=temperature, chunk_size=7, **kw)
-    lp, ent = token_logprobs_and_entropy(model, batch.input_ids, **score)
-    loss, st, kst = _unfused(lp, spec)
+    lp, ent = token_logprobs_and_entropy(
+        model, batch.input_ids, entropy_grad=spec.entropy_coef != 0.0, **score
+    )
+    loss, st, kst = _unfused(lp, spec, ent)
     loss.backward()
     ref_grads = _grads(model)
 
@@ -179,6 +208,7 @@ def test_model_gradients_equal_unfused(setup, agg, dual_clip, kl, temperature):
         assert err <= bound, f"{name}: |fused - unfused| {err:.3g} > {bound:.3g}"
         live += int(G > 1e-6)
     assert live == len(ref_grads)  # every parameter receives a gradient: nothing compared is 0
+    return grads
 
 
 def test_clip_sides_bind(setup):

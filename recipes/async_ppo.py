@@ -40,9 +40,9 @@ from minippo.training.progress import ProgressBar
 from minippo.training.rank_balance import balance_over_ranks
 from minippo.training.rollout_queue import RolloutQueue
 
-# each rank logs its share of these losses; the logged value is their sum over ranks
 PPO_DEFAULT = dict(pack=True, balance_ranks=True, entropy_coef=0.0,  # ppo keys a config may omit
                    max_tokens_per_micro_batch=None, score_max_tokens_per_micro_batch=None)  # fmt: skip
+# each rank logs its share of these losses; the logged value is their sum over ranks
 LOSS_SHARES = ("train/loss", "train/policy_loss", "train/kl_loss", "train/value_loss")
 
 

@@ -239,7 +239,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
             # the entropy bonus's η·c·p ⊙ (z − lse + H), in z's place (log p = z − lse)
             dent = None
             if spec.entropy_coef != 0.0:
-                scale = torch.where(t["valid"], spec.entropy_coef * t["coef"], 0.0)
+                scale = spec.entropy_coef * t["coef"]  # c_t is 0 off the response mask
                 dent = z.sub_((lse - ent)[:, None]).mul_(p).mul_(scale[:, None])
             del z
             # ∂loss/∂logits = g · (onehot − p) / T, then in the lm_head's dtype (autograd's order)

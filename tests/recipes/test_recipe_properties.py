@@ -62,6 +62,20 @@ def config(tmp_path, name: str, *overrides: str):
     )
 
 
+def record_fused_passes(monkeypatch) -> list[tuple]:
+    """Wrap the recipe's ``models.fused_policy_loss``; returns the list it fills with each call's
+    (spec, output)."""
+    calls: list[tuple] = []
+    real_fused = models.fused_policy_loss
+
+    def recording_fused(model, input_ids, spec, **kw):
+        calls.append((spec, real_fused(model, input_ids, spec, **kw)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(models, "fused_policy_loss", recording_fused)  # the recipe's call
+    return calls
+
+
 @pytest.mark.parametrize("correction", list(CORRECTIONS))
 def test_policy_loss_gets_the_corrections_own_anchors_and_weights(
     tmp_path, monkeypatch, correction
@@ -70,14 +84,7 @@ def test_policy_loss_gets_the_corrections_own_anchors_and_weights(
     own tensors for its rows, or, for anchors formed token by token inside the pass, a function
     that gives what ``minibatch`` gives for those rows."""
     cfg = config(tmp_path, correction, *SEVERAL_UPDATES, *CORRECTIONS[correction])
-    calls: list[tuple] = []  # (spec, the pass's output)
-    real_fused = models.fused_policy_loss
-
-    def recording_fused(model, input_ids, spec, **kw):
-        calls.append((spec, real_fused(model, input_ids, spec, **kw)))
-        return calls[-1][1]
-
-    monkeypatch.setattr(models, "fused_policy_loss", recording_fused)  # the recipe's call
+    calls = record_fused_passes(monkeypatch)
     with recipe_on_fixed_batches(cfg, lambda step: batch) as recipe:
         batch = fixed_rollout_batch(recipe.actor.args, actor_seed=cfg.seed, mu_noise=0.5)
         prepared, rows_of_call, given = [], [], []
@@ -135,16 +142,9 @@ def test_policy_loss_gets_the_corrections_own_anchors_and_weights(
 def test_entropy_coef_enters_every_policy_loss(tmp_path, monkeypatch):
     """``ppo.entropy_coef`` η reaches every micro-batch's fused pass, whose loss is then the
     policy loss − η·aggregate(entropy) (the gradient of that term: tests/unit/
-    test_fused_policy_loss.py); the step's train/loss moves with it."""
+    test_fused_policy_loss.py)."""
     cfg = config(tmp_path, "entropy", *SEVERAL_UPDATES, "ppo.entropy_coef=0.3")
-    calls: list[tuple] = []
-    real_fused = models.fused_policy_loss
-
-    def recording_fused(model, input_ids, spec, **kw):
-        calls.append((spec, real_fused(model, input_ids, spec, **kw)))
-        return calls[-1][1]
-
-    monkeypatch.setattr(models, "fused_policy_loss", recording_fused)
+    calls = record_fused_passes(monkeypatch)
     with recipe_on_fixed_batches(cfg, lambda step: batch) as recipe:
         batch = fixed_rollout_batch(recipe.actor.args, actor_seed=cfg.seed, mu_noise=0.5)
         recipe.train()

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -70,7 +71,13 @@ def shard_model(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root's inputs keep their dtype: FSDP2 would cast every floating tensor of the forward's
+    # arguments to param_dtype, dataclasses included, and the scoring spec carries the policy
+    # loss's fp32 anchors, advantages, weights and token counts (``ScoreSpec.fused``): in bf16
+    # an anchor of -5.3 would reach the loss as -5.3125. The model computes in param_dtype
+    # anyway (its embedding output is), and its blocks still cast what they receive.
+    root_mp = replace(mp, cast_forward_inputs=False)
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, reshard_after_forward=reshard_after_forward)
     if sum_gradients:
         for m in model.modules():
             if isinstance(m, FSDPModule):  # a plain SUM (PREMUL_SUM does not exist on gloo)

@@ -652,17 +652,21 @@ class ValueModel(_Decoder):
         attention_mask: torch.Tensor | None = None,
         packed: PackedLayout | None = None,
     ) -> torch.Tensor:
-        """Values ``Float[B, S]`` (dtype of the weights): v[b, s] estimates the return after token
-        s. ``packed``: computed on the real tokens only (see :meth:`Transformer.forward`), 0 at
+        """Values ``Float32[B, S]``: v[b, s] estimates the return after token s. The head runs in
+        float32 whatever the compute dtype (a bf16 output would round every value to 8 bits, and
+        the returns, advantages and value loss are made of them; the head is one row of weights).
+        ``packed``: computed on the real tokens only (see :meth:`Transformer.forward`), 0 at
         padding."""
         h = self.hidden_states(
             tokens, position_ids=position_ids, attention_mask=attention_mask, packed=packed
         )
+        head = self.value_head
+        v = F.linear(h.float(), head.weight.float(), head.bias.float()).squeeze(-1)
         if packed is not None:  # scatter makes a fresh [B, S] tensor
-            return packed.scatter(self.value_head(h).squeeze(-1))
+            return packed.scatter(v)
         # a tensor of its own, not a view of the head's [B, S, 1] output: FSDP2 hooks the output
         # of the root module for backward, and a view of it would lose that hook to an in-place op
-        return self.value_head(h).squeeze(-1).clone()
+        return v.clone()
 
 
 # ----------------------------------------------------------------------------------------------

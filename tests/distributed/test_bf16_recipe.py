@@ -11,6 +11,7 @@ and 2 gloo ranks, for every correction. What users rely on there, checked on one
   has ratio 1 exactly and clips nothing, as the loss itself sees it: with one row per forward the
   anchors come from the same bf16 passes, with the same shapes, as the update's own logprobs (two
   identical computations: equal bit for bit on any CPU);
+* the reference model (the actor's weights at step 0) gives a KL of exactly 0 on that update;
 * keep_old_actor's anchors are the snapshot's scoring of the same rows in the same precision, bit
   for bit (the recipe's own scoring function, run again on the snapshot's weights);
 * EWMA's θ̄ stays fp32 and its update is the fp32 lerp of the fp32 master weights, bit for bit;
@@ -54,7 +55,14 @@ ROUNDINGS_PER_BLOCK = 16  # as tests/unit/test_packing.py counts them
 C = "correction._component_=minippo.rl.correction."
 CORRECTIONS = {
     "EWMA": [],
-    "TIS": [C + "TIS", "~correction.reset_below"],
+    # with a reference model and the KL in the loss (the reference starts as the actor)
+    "TIS": [
+        C + "TIS",
+        "~correction.reset_below",
+        "kl.coef=0.05",
+        "kl.mode=loss",
+        "kl.estimator=k3",
+    ],
     "KeepOldActor": [C + "KeepOldActor", "~correction.reset_below"],
     "LogLinearProx": [C + "LogLinearProx", "~correction.reset_below"],
     "RolloutLogprobs": [C + "RolloutLogprobs", "~correction.cap", "~correction.reset_below"],
@@ -241,6 +249,8 @@ def run_correction(out: Path, name: str, rank: int, world: int) -> dict:
         }
         for st in (res.stats for res in fused_out[:n])
     ]  # fmt: skip
+    # the KL to the reference, which holds the actor's weights at step 0
+    result["first_kl"] = [float(r.kl_stats.kl_mean) for r in fused_out[:n] if r.kl_stats]
     result["master_dtypes"] = first["master"]
     input_ids, spec, kw = first["call"]
     result["fp32"] = _fp32_reference(args, first["weights"], input_ids, spec, kw)
@@ -287,6 +297,9 @@ def test_an_on_policy_first_update_has_ratio_one_and_clips_nothing(results):
             assert torch.equal(logr, torch.zeros_like(logr)), f"{r['name']}: ratio != 1"
         for stats in r["first_stats"]:  # and the loss saw exactly those anchors
             assert stats == on_policy, f"{r['name']}: the loss saw {stats}"
+        # the reference model scores the same passes as the actor: KL 0 before the first step
+        assert r["first_kl"] == [0.0] * len(r["first_kl"]), r["name"]
+    assert any(r["first_kl"] for r in results)  # the reference model ran
 
 
 def test_keep_old_actor_anchors_are_the_snapshots_scoring_in_the_same_precision(results):
@@ -330,3 +343,70 @@ def test_update_agrees_with_an_fp32_reference_to_the_bf16_scale(results):
             bound = 2 * rel * float(g_ref.abs().max())
             err = float((g - g_ref).abs().max())
             assert err <= bound, f"{r['name']}: gradient of {name} off by {err} > {bound}"
+
+
+def _critic_values(rank: int, world: int, out: str) -> None:
+    """A critic sharded with bf16 compute, its value head non-zero: its values and the fp32 head
+    applied to the same bf16 hidden states."""
+    from torch.distributed.tensor import distribute_tensor
+
+    import minippo.parallel as parallel
+    from minippo.models import ValueModel, init_weights, qwen3_tiny
+    from minippo.models.packing import pack
+
+    parallel.init_distributed()
+    args = qwen3_tiny(51)
+    batch = fixed_rollout_batch(args)
+    with torch.device("meta"):
+        critic = ValueModel(args)
+    parallel.shard_model(critic, param_dtype=torch.bfloat16, sum_gradients=True)
+    critic.to_empty(device="cpu")
+    init_weights(critic, seed=1)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(2)
+        head = critic.value_head.weight
+        full = 0.5 * torch.randn(head.shape, generator=g)
+        if hasattr(head, "device_mesh"):  # this rank's shard of it
+            full = distribute_tensor(full, head.device_mesh, head.placements, src_data_rank=None)
+        head.copy_(full)
+        kw = dict(attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        layout = pack(batch.attention_mask)
+        hidden = []  # the final norm's outputs: the hidden states the head reads
+        hook = critic.norm.register_forward_hook(lambda mod, inp, out: hidden.append(out))
+        values = {
+            "padded": critic(batch.input_ids, **kw),
+            "packed": critic(batch.input_ids, packed=layout, **kw),
+        }
+        hook.remove()
+        w = critic.value_head.weight
+        w = w.full_tensor() if hasattr(w, "full_tensor") else w
+        w = w.to(torch.bfloat16).float().squeeze(0)  # as the forward computes with it
+        shape = batch.input_ids.shape  # the padded pass's norm output is [B·S, D]
+        fp32_head, magnitude = {}, {}
+        for (name, h), to_batch in zip(
+            zip(values, hidden), [lambda x: x.view(shape), layout.scatter]
+        ):
+            assert h.dtype == torch.bfloat16  # the compute dtype
+            fp32_head[name] = to_batch(h.float() @ w)  # bias 0
+            magnitude[name] = to_batch(h.float().abs() @ w.abs())  # Σ|terms| of each dot
+    torch.save({"values": values, "fp32_head": fp32_head, "magnitude": magnitude,
+                "dim": args.dim, "mask": batch.attention_mask},
+               Path(out) / f"critic{rank}.pt")  # fmt: skip
+    parallel.destroy_distributed()
+
+
+def test_critic_values_are_not_rounded_to_bf16(tmp_path):
+    """The critic's values feed the returns, the advantages and the value loss: under bf16 compute
+    its head still runs in fp32 on the bf16 hidden states and bf16 compute weights (a bf16 head
+    would round each value to 8 bits: ±2⁻⁹ relative), so the values equal that fp32 product to
+    fp32 rounding (a D-term dot: D·u₃₂·Σ|terms|) and are not bf16 numbers."""
+    run_on_ranks(_critic_values, str(tmp_path), world_size=1)
+    r = torch.load(tmp_path / "critic0.pt", weights_only=False)
+    m = r["mask"]
+    for name, v in r["values"].items():
+        want = r["fp32_head"][name]
+        tol = r["dim"] * torch.finfo(torch.float32).eps / 2 * r["magnitude"][name]
+        assert v.dtype == torch.float32, name
+        assert bool(((v - want).abs() <= tol)[m].all()), name
+        rounded = v[m].to(torch.bfloat16).float()
+        assert not torch.equal(rounded, v[m]), f"{name}: every value is a bf16 number"

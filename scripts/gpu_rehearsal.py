@@ -113,6 +113,9 @@ TINY_THRESHOLD = 0.8
 # per handle and stream on Hopper, shared with cuBLASLt) in its allocator for the process's
 # life, which empty_cache() cannot release; two such workspaces. The weights alone are 1.1 GiB.
 SLEEP_LEFTOVER_BYTES = 64 * MIB
+# the tensor fields of the policy loss's spec (minippo.models.FusedLossSpec)
+LOSS_INPUTS = ("anchor_logprobs", "advantages", "response_mask", "weights", "keep_mask",
+               "global_tokens", "global_seqs", "ref_logprobs")  # fmt: skip
 DEFAULT_BUDGET_S = 450.0
 
 
@@ -214,6 +217,10 @@ def _step_skeleton(step: int) -> dict[str, Any]:
             "gb_per_s": None,  # bytes / (applied_s - wake_s), 1e9 bytes
             "trainer_peak_allocated": None,
             "trainer_peak_reserved": None,
+            # the trainer's allocator as the engine wakes (after the recipe's empty_cache()):
+            # reserved - allocated is what it keeps cached from the engine
+            "trainer_allocated_at_wake": None,
+            "trainer_reserved_at_wake": None,
         },
         "checkpoint_s": None,
     }
@@ -236,7 +243,13 @@ class PhaseProbe:
         self.info: dict[str, Any] = {}
         self._patches: list[tuple[Any, str, Any]] = []
         self._step = -1  # the step whose batch is being generated (-1: setup)
+        self._publish_step = -1  # the step whose publish runs (-1: setup's)
         self._wake_s = 0.0
+        # the policy loss's inputs as the recipe built them and as the loss received them inside
+        # the model's forward (FSDP2 mixed precision must not cast them): per field, the dtypes
+        # of the first pass and the number of passes in which dtype or value changed
+        self.loss_inputs: dict[str, dict[str, Any]] = {}
+        self._built_spec: Any = None
 
     # -- measurements ---------------------------------------------------------------------------
     def _reset_peaks(self) -> None:
@@ -330,6 +343,10 @@ class PhaseProbe:
 
         def wake(original):
             def wrapped(engine):
+                if probe.cuda:  # the step whose publish wakes it: the probe's current one
+                    rec = probe.record(probe._publish_step)["publish"]
+                    rec["trainer_allocated_at_wake"] = probe._allocated()
+                    rec["trainer_reserved_at_wake"] = torch.cuda.memory_reserved(probe.device)
                 t0 = time.perf_counter()
                 original(engine)
                 probe._wake_s = time.perf_counter() - t0
@@ -339,6 +356,7 @@ class PhaseProbe:
         def publish(original):
             def wrapped(queue, buckets, version):
                 step = version * probe.sync_every - 1  # published at the end of this step
+                probe._publish_step = step
                 rec = probe.record(step)
                 if step >= 0:
                     rec["training"].update(probe._peaks())
@@ -377,6 +395,25 @@ class PhaseProbe:
 
             return wrapped
 
+        def fused_policy_loss(original):  # the recipe's call: the spec it built
+            def wrapped(*args, **kwargs):
+                probe._built_spec = args[2]
+                return original(*args, **kwargs)
+
+            return wrapped
+
+        def from_hidden(original):  # inside the model's forward: the spec the loss reads
+            def wrapped(hidden, weight, targets, spec, **kwargs):
+                probe.compare_loss_inputs(probe._built_spec, spec)
+                return original(hidden, weight, targets, spec, **kwargs)
+
+            return wrapped
+
+        import minippo.models as models
+        import minippo.models.model as model_module
+
+        self._wrap(models, "fused_policy_loss", fused_policy_loss)
+        self._wrap(model_module, "fused_policy_loss_from_hidden", from_hidden)
         self._wrap(AlternatingQueue, "get_batch", get_batch)
         self._wrap(AlternatingQueue, "publish", publish)
         self._wrap(TrainerOffload, "offload", offload)
@@ -385,10 +422,47 @@ class PhaseProbe:
         self._wrap(recipe_cls, "save_checkpoint", save_checkpoint)
         return self
 
+    def compare_loss_inputs(self, built: Any, inside: Any) -> None:
+        """Record each tensor field of the policy loss's spec: its dtype as built and as read
+        inside forward, and whether the two differ in dtype or value."""
+        if built is None:
+            return
+        for name in LOSS_INPUTS:
+            b, i = getattr(built, name), getattr(inside, name)
+            if not torch.is_tensor(b):
+                continue
+            entry = self.loss_inputs.setdefault(
+                name, {"built": str(b.dtype), "in_forward": str(i.dtype), "changed_passes": 0}
+            )
+            changed = i.dtype != b.dtype or not torch.equal(i.to(b.dtype), b)
+            entry["changed_passes"] += int(changed)
+
     def uninstall(self) -> None:
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches.clear()
+
+
+def _nccl_bytes(original: Any, probe: PhaseProbe) -> Any:
+    """``init_distributed`` wrapped: on CUDA, the device bytes the process group takes beyond
+    this process's allocator (NCCL's communicator buffers; the process's CUDA context exists
+    already), measured after a first collective."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not probe.cuda:
+            return original(*args, **kwargs)
+        free, total = torch.cuda.mem_get_info(probe.device)
+        before = total - free - torch.cuda.memory_reserved(probe.device)
+        out = original(*args, **kwargs)
+        import torch.distributed as dist
+
+        dist.barrier()
+        torch.cuda.synchronize(probe.device)
+        free, total = torch.cuda.mem_get_info(probe.device)
+        probe.info["nccl_bytes"] = total - free - torch.cuda.memory_reserved(probe.device) - before
+        return out
+
+    return wrapped
 
 
 def recipe_worker(spec_path: Path) -> None:
@@ -416,6 +490,9 @@ def recipe_worker(spec_path: Path) -> None:
         shm_total_bytes=shutil.disk_usage("/dev/shm").total if Path("/dev/shm").is_dir() else None,
     )
     probe.install(namespace["AsyncPPORecipe"])
+    import minippo.parallel as parallel
+
+    probe._wrap(parallel, "init_distributed", functools.partial(_nccl_bytes, probe=probe))
     code = 0
     t0 = time.perf_counter()
     try:
@@ -427,6 +504,7 @@ def recipe_worker(spec_path: Path) -> None:
     probe.info["recipe_s"] = time.perf_counter() - t0
     if int(os.environ.get("RANK", "0")) == 0:
         records = [probe.records[s] for s in sorted(probe.records)]
+        probe.info["loss_inputs"] = probe.loss_inputs
         Path(spec["out"]).write_text(json.dumps({"info": probe.info, "records": records}))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -549,6 +627,7 @@ def _recipe_summary(steps: list[dict[str, Any]], plan: dict[str, Any] | None) ->
     steady = steps[1:] or steps
     gen = [s["generation"] for s in steps]
     train = [s["training"] for s in steps]
+    pubs = [s["publish"] for s in steps]
     non_alloc = _max([g["non_allocator_bytes"] for g in gen])
     gen_device = _max(
         [
@@ -587,6 +666,19 @@ def _recipe_summary(steps: list[dict[str, Any]], plan: dict[str, Any] | None) ->
             "trainer_peak_allocated": _max([t["trainer_peak_allocated"] for t in train]),
             "trainer_peak_reserved": _max([t["trainer_peak_reserved"] for t in train]),
             "device_bytes": train_device,
+        },
+        # at each engine wake, after empty_cache(): what the trainer holds and keeps cached
+        "wake": {
+            "trainer_allocated": _max([p["trainer_allocated_at_wake"] for p in pubs]),
+            "trainer_reserved": _max([p["trainer_reserved_at_wake"] for p in pubs]),
+            "cached_over_live": _max(
+                [
+                    None
+                    if p["trainer_reserved_at_wake"] is None
+                    else p["trainer_reserved_at_wake"] - p["trainer_allocated_at_wake"]
+                    for p in pubs
+                ]
+            ),
         },
     }
     p = plan or {}
@@ -630,6 +722,7 @@ def recipe_checks(
     returncode: int,
     steps: int,
     cuda: bool,
+    loss_inputs: dict[str, Any] | None = None,
 ) -> dict[str, bool | None]:
     """What the recipe check requires of a run. On CUDA also: after every ``sleep()`` the engine
     process holds at most SLEEP_LEFTOVER_BYTES; every ``offload()`` freed at least the bytes it
@@ -637,8 +730,14 @@ def recipe_checks(
     the engine's peak covered its weights (the first publish's bytes). A CUDA figure that is
     missing fails its check there; on CPU these three are None."""
     losses = [s[k] for s in step_list for k in ("loss", "value_loss")]
+    inputs = loss_inputs or {}
     checks: dict[str, bool | None] = {
         "exit_ok": returncode == 0,
+        # the policy loss read every input in the dtype and with the values the recipe built
+        "loss_inputs_exact": bool(inputs)
+        and all(
+            v["built"] == v["in_forward"] and v["changed_passes"] == 0 for v in inputs.values()
+        ),
         "all_steps_logged": [s["step"] for s in step_list] == list(range(steps)),
         "finite_losses": bool(losses) and all(_finite(x) for x in losses),
         "backend": backend == ("nccl" if cuda else "gloo"),
@@ -704,6 +803,7 @@ def run_recipe_check(dry_run: bool, work: Path, steps: int, plan_run: Any, timeo
         returncode=run.returncode,
         steps=steps,
         cuda=not dry_run,
+        loss_inputs=probe["info"].get("loss_inputs"),
     )
     ok = all(v for v in checks.values() if v is not None)
     return {
@@ -721,6 +821,10 @@ def run_recipe_check(dry_run: bool, work: Path, steps: int, plan_run: Any, timeo
         "environment": {k: probe["info"].get(k) for k in ENVIRONMENT_KEYS},
         "checks": checks,
         "setup_publish": setup_publish,
+        # per field of the policy loss's spec: dtype as built, as read in forward, passes changed
+        "loss_inputs": probe["info"].get("loss_inputs"),
+        # device bytes the process group took beyond the allocator (NCCL buffers); None on CPU
+        "nccl_bytes": probe["info"].get("nccl_bytes"),
         "steps": step_list,
         **summary,
         "plan": {k: (plan or {}).get(k) for k in PLAN_KEYS},
@@ -1191,6 +1295,23 @@ def _recipe_lines(r: dict[str, Any]) -> list[str]:
             f"  {phase:<11} GiB measured {_gib(c['measured_bytes'])} ({detail} alloc/reserved)"
             f"  plan {_gib(c['plan_bytes'])}  {_num(c['ratio'])}x {held}"
         )
+    w = r["memory"]["wake"]
+    lines.append(
+        f"  at wake     trainer {_gib(w['trainer_allocated'])} live, "
+        f"{_gib(w['trainer_reserved'])} reserved after empty_cache (cached over live "
+        f"{_gib(w['cached_over_live'])}); NCCL {_gib(r['nccl_bytes'])}"
+    )
+    changed = {k: v for k, v in (r["loss_inputs"] or {}).items() if v["changed_passes"]}
+    lines.append(
+        "  loss inputs "
+        + (
+            "as built, in every pass"
+            if r["loss_inputs"] and not changed
+            else f"CHANGED in forward: {changed}"
+            if changed
+            else "not recorded"
+        )
+    )
     plan = r["plan"]
     if plan["measured_on"] is not None:
         failed = plan["cuda_step_error"]

@@ -36,16 +36,20 @@ GENERATION_KEYS = {
 }  # fmt: skip
 PUBLISH_KEYS = {
     "bytes", "wake_s", "push_s", "applied_s", "gb_per_s", "trainer_peak_allocated",
-    "trainer_peak_reserved",
+    "trainer_peak_reserved", "trainer_allocated_at_wake", "trainer_reserved_at_wake",
 }  # fmt: skip
 TIMING_KEYS = {
     "generation_s", "offload_s", "training_s", "publish_s", "publish_gb_per_s", "checkpoint_s",
     "step_s", "tokens_per_s", "generation_tokens_per_s",
 }  # fmt: skip
 CHECK_KEYS = {
-    "exit_ok", "all_steps_logged", "finite_losses", "backend", "sleep_frees", "offload_frees",
-    "engine_on_gpu",
+    "exit_ok", "loss_inputs_exact", "all_steps_logged", "finite_losses", "backend",
+    "sleep_frees", "offload_frees", "engine_on_gpu",
 }  # fmt: skip
+# the tensor fields of the policy loss's spec the recipe fills (tis weights, no KL, no keep-mask
+# for this config's correction are left out where the correction does not make them)
+LOSS_INPUT_DTYPES = {"anchor_logprobs": "torch.float32", "advantages": "torch.float32",
+                     "response_mask": "torch.float32"}  # fmt: skip
 TINY_RUN_KEYS = {
     "ok", "command", "returncode", "seconds", "steps", "reward_first", "reward_last5",
     "threshold", "learned", "step_s", "stderr_tail",
@@ -88,6 +92,12 @@ def test_recipe_runs_the_gpu_schedule_and_records_every_phase(dry):
         "exit_ok": True, "all_steps_logged": True, "finite_losses": True,
     }  # fmt: skip
     assert r["checks"]["backend"] is True and r["environment"]["backend"] == "gloo"
+    # bf16 FSDP2 compute: every loss input reached the loss as built, in every pass
+    assert r["checks"]["loss_inputs_exact"] is True
+    for name, dtype in LOSS_INPUT_DTYPES.items():
+        entry = r["loss_inputs"][name]
+        assert entry == {"built": dtype, "in_forward": dtype, "changed_passes": 0}, name
+    assert r["nccl_bytes"] is None and set(r["memory"]["wake"].values()) == {None}  # CUDA only
     for cuda_only in ("sleep_frees", "offload_frees", "engine_on_gpu"):
         assert r["checks"][cuda_only] is None
     assert [s["step"] for s in r["steps"]] == [0, 1, 2]
@@ -177,6 +187,9 @@ def _cuda_steps(rehearsal, left_mib: int, freed_less: int) -> list[dict]:
             trainer_peak_allocated=(train_reserved - 500) * MIB,
             trainer_peak_reserved=train_reserved * MIB,
         )
+        s["publish"].update(  # after empty_cache(): 100 MiB more cached in the second step
+            trainer_allocated_at_wake=3_000 * MIB, trainer_reserved_at_wake=(3_000 + 100 * i) * MIB
+        )
         steps.append(s)
     return steps
 
@@ -189,18 +202,24 @@ def test_the_gpu_only_checks_and_the_plan_comparison(rehearsal):
     """What only a GPU run fills, on figures written by hand: the CUDA checks pass and fail at
     their bounds, and each phase's measured bytes are the sums the docs describe."""
 
+    exact = {"built": "torch.float32", "in_forward": "torch.float32", "changed_passes": 0}
+    inputs = {"anchor_logprobs": exact, "advantages": exact}
+
     def checks(left_mib, freed_less, weights=1_100 * MIB):
         steps = _cuda_steps(rehearsal, left_mib, freed_less)
         summary = rehearsal._recipe_summary(steps, PLAN)
         return rehearsal.recipe_checks(
-            steps, {"bytes": weights}, summary, backend="nccl", returncode=0, steps=2, cuda=True
-        ), summary
+            steps, {"bytes": weights}, summary, backend="nccl", returncode=0, steps=2, cuda=True,
+            loss_inputs=inputs,
+        ), summary  # fmt: skip
 
     ok, summary = checks(left_mib=64, freed_less=0)
     assert all(ok.values()), ok
     assert not checks(left_mib=65, freed_less=0)[0]["sleep_frees"]  # above 64 MiB
     assert not checks(left_mib=32, freed_less=1)[0]["offload_frees"]  # one byte short
     assert not checks(left_mib=32, freed_less=0, weights=4_801 * MIB)[0]["engine_on_gpu"]
+    inputs["anchor_logprobs"] = {**exact, "in_forward": "torch.bfloat16", "changed_passes": 3}
+    assert not checks(left_mib=64, freed_less=0)[0]["loss_inputs_exact"]  # cast in forward
     gen, train = summary["plan_check"]["generation"], summary["plan_check"]["training"]
     # generation: trainer reserved + engine reserved + outside both allocators, the larger step
     assert gen["measured_bytes"] == (20 + 5_000 + 1_000) * MIB
@@ -211,6 +230,10 @@ def test_the_gpu_only_checks_and_the_plan_comparison(rehearsal):
     summary = rehearsal._recipe_summary(_cuda_steps(rehearsal, 0, 0), PLAN)
     assert summary["plan_check"]["training"]["holds"] is True  # 22,000 MiB: exactly the plan
     assert summary["timing"]["generation_s"] is None  # no perf figures given
+    assert summary["memory"]["wake"] == {
+        "trainer_allocated": 3_000 * MIB, "trainer_reserved": 3_100 * MIB,
+        "cached_over_live": 100 * MIB,
+    }  # fmt: skip
 
 
 def test_bad_arguments_fail_in_one_line_before_any_work(tmp_path, capsys, rehearsal):

@@ -564,7 +564,10 @@ class AsyncPPORecipe:
     def save_checkpoint(self, step: int) -> None:
         """Atomic DCP checkpoint of the models and every Stateful in ``self.states``, from which
         a run resumes exactly (the queue saves the batch it generated ahead itself)."""
-        self.ckpt_path = self.checkpointer.save(step, models=self._models(), states=self.states)
+        config = OmegaConf.to_container(self.cfg, resolve=True)  # what a resume must not change
+        self.ckpt_path = self.checkpointer.save(
+            step, models=self._models(), states=self.states, meta={"config": config}
+        )
 
     def _load_checkpoint(self, path: Path) -> None:
         meta = self.checkpointer.load(path, models=self._models(), states=self.states)

@@ -127,8 +127,14 @@ class JsonlLogger:
         self._file.flush()
 
     def log_config(self, config: Mapping[str, Any]) -> None:
-        # the config goes next to the metrics, not into them (the jsonl stays one row per step)
-        with open(self.path.with_name(self.path.stem + "_config.json"), "w", encoding="utf-8") as f:
+        """The resolved config goes next to the metrics, not into them (the jsonl stays one row
+        per step): ``<stem>_config.json`` for the first launch, ``<stem>_config.2.json``,
+        ``.3``, ... for each resume, so the record of every launch is kept."""
+        path, n = self.path.with_name(self.path.stem + "_config.json"), 1
+        while path.exists():
+            n += 1
+            path = self.path.with_name(f"{self.path.stem}_config.{n}.json")
+        with open(path, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, default=str)
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from minippo.config import ConfigError, instantiate, validate
 from minippo.config.schema import (
@@ -653,6 +653,17 @@ def _resume_problems(cfg: DictConfig, world_size: int, local_world_size: int | N
     except (OSError, ValueError) as e:
         return [str(e)]
     problems = []
+    if "config" in meta:  # the resolved config the checkpoint trained with
+        from minippo.training.resume_settings import changed_settings
+
+        changed = changed_settings(meta["config"], OmegaConf.to_container(cfg, resolve=True))
+        if changed:
+            problems.append(
+                f"resume_from={resume}: this run changes what checkpoint {path} trained "
+                f"({'; '.join(changed[:4])}{'; ...' if len(changed) > 4 else ''}); resume with "
+                "the same settings, or start a new run (what may change on resume: "
+                "docs/recipe.md, 'What a resume may change')"
+            )
     total = _get(cfg, "total_steps")
     if isinstance(total, int) and meta["step"] >= total and not export_left(cfg, meta["step"]):
         problems.append(

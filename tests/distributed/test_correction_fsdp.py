@@ -3,6 +3,10 @@
 Every rank holds its own batch; the snapshots and θ̄ hold local shards only. Anchors must equal,
 bit for bit, those of an unsharded model loaded with the full weights of each token's version,
 including ranks whose batches hold different versions (every rank must run the same forwards).
+Why bit for bit holds on any CPU: both sides run the same scorer (``response_logprobs`` or
+``logits_score``, padded) on the same batch in the same process and thread count, and FSDP2's
+forward computes on the all-gathered fp32 weights, a copy of the full ones: the same kernels on
+the same shapes in the same order.
 """
 
 import torch

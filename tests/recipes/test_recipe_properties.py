@@ -19,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ import torch
 import minippo.models as models
 import minippo.rl as rl
 from minippo.config import load_config
-from minippo.models import Transformer, init_weights, response_logprobs
+from minippo.models import Transformer, init_weights
 from minippo.rl.correction import symmetric_mask_weights
 from minippo.training.metrics import read_jsonl
 from tests.helpers import (
@@ -108,6 +109,14 @@ def test_policy_loss_gets_the_corrections_own_anchors_and_weights(
 
         recipe.correction.prepare, recipe._actor_backward = prepare, actor_backward
         recipe.train()
+        # EWMA: θ₀'s logprobs through the recipe's own scoring pass (the same packed layouts,
+        # forwards and trainer threads as the correction's): the same operations in the same
+        # order, so the anchors at step 0 (θ̄ = θ₀) equal them bit for bit on any CPU. A padded
+        # forward would not: its masked attention rounds differently from the packed buckets.
+        if correction == "EWMA":
+            actor0 = init_weights(Transformer(recipe.actor.args), seed=cfg.seed)
+            with torch.no_grad():
+                anchor0 = recipe._scored(partial(recipe._logprobs, actor0), batch)
     assert len(prepared) == 1  # one step: one prepare
     assert len(calls) == len(rows_of_call) == 8  # 2 epochs x 2 minibatches x 2 micro-batches
     covered = torch.cat(rows_of_call).sort().values
@@ -128,12 +137,7 @@ def test_policy_loss_gets_the_corrections_own_anchors_and_weights(
     if correction == "EWMA":  # at step 0, θ̄ = θ₀: the anchors are the initial actor's logprobs
         (out,) = prepared
         mask = batch.response_mask
-        actor0 = init_weights(Transformer(recipe.actor.args), seed=cfg.seed)
-        with torch.no_grad():
-            anchor = response_logprobs(actor0, batch, temperature=1.0)
-        # the same forward in chunks of 4 rows vs all 8: float32 rounding of a logprob of size
-        # ≲ 5 through ~64-term dot products, far below 1e-4
-        torch.testing.assert_close(out.anchor_logprobs * mask, anchor * mask, rtol=0, atol=1e-4)
+        assert torch.equal(out.anchor_logprobs, torch.where(mask > 0, anchor0, 0.0))
         w = symmetric_mask_weights(out.anchor_logprobs, batch.rollout_logprobs, mask, cap=2.0)
         assert torch.equal(out.weights, w.weights) and torch.equal(out.keep_mask, w.keep)
         assert float(((w.keep == 0) & (mask > 0)).sum()) > 0  # the mask drops some tokens

@@ -61,6 +61,7 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
     "dtype": Dtype(),
     "activation_checkpointing": Bool(),
     "compile": Bool(optional=True),
+    "deterministic": Bool(optional=True),
     "publish_bucket_mb": Float(gt=0),
     "cpu_threads": Int(min=1, null=True),
     "checkpoint_path": Str(null=True),
@@ -166,6 +167,7 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
         {
             "sharding": Str(("fsdp", "hsdp"), optional=True),
             "shared_output_dir": Bool(optional=True),
+            "timeout_s": Float(gt=0, optional=True),
         },
         optional=True,
     ),
@@ -227,7 +229,8 @@ def async_ppo_shape_problems(cfg: DictConfig, world_size: int, distributed: bool
     rows per rank by ``ppo.minibatches``, minibatch rows by ``ppo.micro_batch_size``, one size
     per forward (rows or a token budget, which needs ``ppo.pack``), k1 as a KL loss, critic
     warm-up steps, the keys of one ``rollout.mode`` used with the other, ``rollout.sync_every``
-    against eval, a non-fp32 ``dtype`` without a process group."""
+    against eval, a non-fp32 ``dtype`` without a process group, ``dtype: fp32`` on CUDA
+    (:func:`dtype_device_problem`; the trainer's device is CUDA wherever torch sees a GPU)."""
     from omegaconf import OmegaConf
 
     from minippo.config import canonical_dtype
@@ -330,7 +333,33 @@ def async_ppo_shape_problems(cfg: DictConfig, world_size: int, distributed: bool
             f"dtype={cfg.dtype} is FSDP2 mixed precision (fp32 master weights), which needs a "
             "process group: run `minippo run --nproc-per-node 1 async_ppo ...`, or set dtype=fp32"
         )
+    import torch
+
+    problem = dtype_device_problem("cuda" if torch.cuda.is_available() else "cpu", cfg.dtype)
+    if problem is not None:
+        problems.append(problem)
     return problems
+
+
+def dtype_device_problem(device_type: str, dtype: str) -> str | None:
+    """The one-line reason the trainer cannot train in ``dtype`` on ``device_type``, or None.
+
+    The trainer computes in ``dtype`` on every path (one plain process: unsharded fp32; FSDP2:
+    fp32 master weights, ``dtype`` compute). On CUDA its attention (``models/packing.py``,
+    ``models/model.py``) has fast kernels for bf16/fp16 only (flash attention); in fp32 it falls
+    to SDPA's math kernel with grouped-query heads, which materialises every attention matrix:
+    slow, and out of memory at the shipped configs' lengths. So fp32 on CUDA is refused; fp32 on
+    the CPU (the CPU configs) is the tested path."""
+    from minippo.config import canonical_dtype
+
+    if device_type != "cuda" or canonical_dtype(dtype, "dtype") != "float32":
+        return None
+    return (
+        f"dtype={dtype} on a CUDA device: the trainer's fp32 attention has no fast CUDA kernel "
+        "(SDPA's math kernel materialises every attention matrix: slow, may run out of memory); "
+        "set dtype=bf16 (fp32 master weights under FSDP2), or train on the CPU with "
+        "CUDA_VISIBLE_DEVICES=''"
+    )
 
 
 def check_inputs(cfg: DictConfig, world_size: int = 1, local_world_size: int | None = None) -> None:

@@ -22,9 +22,11 @@ from minippo.plan import ReservedLive, reserved_vs_live
 from minippo.plan.formula import ALLOCATOR_SLACK_BYTES, GiB
 from minippo.training.preflight import (
     ASYNC_PPO_SCHEMA,
+    FP32_CUDA_ATTENTION_LIMIT,
     async_ppo_shape_problems,
     config_problems,
     dtype_device_problem,
+    fp32_attention_bytes,
 )
 
 
@@ -128,25 +130,45 @@ def test_init_distributed_applies_deterministic_from_the_config(monkeypatch):
     assert not torch.are_deterministic_algorithms_enabled()
 
 
-def test_fp32_on_cuda_is_refused_in_one_line_fp32_on_cpu_and_bf16_on_cuda_are_not():
-    line = dtype_device_problem("cuda", "fp32")
+def test_fp32_on_cuda_is_refused_in_one_line_beyond_1_gib_of_attention_matrices():
+    line = dtype_device_problem("cuda", "fp32", 31 * GiB + GiB // 2)
     assert line is not None and "\n" not in line
     assert line.startswith("dtype=fp32 on a CUDA device:")
-    assert "set dtype=bf16" in line
-    assert dtype_device_problem("cuda", "float32") is not None
-    assert dtype_device_problem("cpu", "fp32") is None
-    assert dtype_device_problem("cuda", "bf16") is None
-    assert dtype_device_problem("cuda", "fp16") is None
+    assert "(31.5 GiB per training forward" in line and "set dtype=bf16" in line
+    assert "of unknown size" in dtype_device_problem("cuda", "float32", None)
+    assert dtype_device_problem("cuda", "fp32", FP32_CUDA_ATTENTION_LIMIT) is None
+    assert dtype_device_problem("cpu", "fp32", None) is None
+    assert dtype_device_problem("cuda", "bf16", None) is None
+    assert dtype_device_problem("cuda", "fp16", 10 * GiB) is None
 
 
-@pytest.mark.parametrize("name", ["tiny_cpu", "tiny_math_cpu"])
-def test_the_cpu_configs_pass_on_a_machine_without_cuda(name, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_fp32_attention_bytes_from_the_config():
+    """n_layers · H · T · S · 4: Qwen3-0.6B (28 layers, 16 heads) at 12288 tokens per forward of
+    sequences up to 1536 tokens."""
+    over = ["checkpoint_path=null", "model={_component_: minippo.models.qwen3_0_6b}"]
+    assert fp32_attention_bytes(load_config("qwen3_0_6b_gsm8k_1gpu", over)) == (
+        28 * 16 * 12288 * 1536 * 4
+    )
+    no_shape = load_config("qwen3_0_6b_gsm8k_1gpu", ["checkpoint_path=null", "model=null"])
+    assert fp32_attention_bytes(no_shape) is None
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu", "tiny_math_cpu", "tiny_sglang_cpu"])
+def test_the_cpu_configs_pass_with_or_without_cuda(name, monkeypatch):
     cfg = load_config(name)
-    assert not [p for p in async_ppo_shape_problems(cfg, 1, False) if "CUDA" in p]
+    for cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert not [p for p in async_ppo_shape_problems(cfg, 1, False) if "CUDA" in p]
+
+
+def test_a_gpu_config_in_fp32_on_cuda_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    problems = async_ppo_shape_problems(cfg, 1, False)
-    assert any(p.startswith("dtype=fp32 on a CUDA device") for p in problems)
+    over = ["checkpoint_path=null", "model={_component_: minippo.models.qwen3_0_6b}", "dtype=fp32"]
+    problems = async_ppo_shape_problems(load_config("qwen3_0_6b_gsm8k_1gpu", over), 1, True)
+    assert [p for p in problems if p.startswith("dtype=fp32 on a CUDA device")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    problems = async_ppo_shape_problems(load_config("qwen3_0_6b_gsm8k_1gpu", over), 1, True)
+    assert not [p for p in problems if "CUDA" in p]
 
 
 def test_a_gpu_below_sm80_gets_one_line():

@@ -4,6 +4,7 @@ shards and states, bit for bit, as a lazily created one (torch AdamW, torchao Ad
 
 import os
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -51,6 +52,7 @@ def _worker(rank: int, world_size: int, out: str) -> None:
         destroy_distributed()
 
 
+@pytest.mark.slow  # ~40 s on a loaded 2-core box: two spawned ranks, torchao's eager step
 def test_eager_state_trains_fsdp2_shards_bit_for_bit_as_lazy(run_on_ranks, tmp_path):
     run_on_ranks(_worker, str(tmp_path), world_size=2)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()

@@ -15,22 +15,37 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "DistInfo",
     "all_reduce_floats",
+    "apply_deterministic",
+    "check_gpu_capability",
     "destroy_distributed",
     "die_with_parent",
     "init_distributed",
+    "process_group_timeout_s",
     "union_over_ranks",
 ]
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _watched_parent: int | None = None  # the parent pid the watchdog of this process follows
+
+# How long a collective may wait for the slowest rank before the process group's watchdog ends the
+# run (``parallel.timeout_s``; torch's own default is 10 minutes for NCCL). Sized for the longest
+# stretch in which ranks legitimately drift apart: a DCP save writes every rank's shards of the
+# models and optimizers (the 4B config: about 7.5 GB per rank, some minutes on a slow or shared
+# disk, and one rank may also export the HF weights) and a publish in lockstep of a 4B model into
+# engines that are still finishing a wave; 10 minutes ended such runs. 45 minutes leaves room for
+# that, and a hang still ends the run within the hour.
+DEFAULT_TIMEOUT_S = 45 * 60.0
 
 
 @dataclass(frozen=True)
@@ -56,7 +71,7 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(backend: str | None = None) -> DistInfo:
+def init_distributed(backend: str | None = None, cfg: Any = None) -> DistInfo:
     """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and return where this process sits.
 
@@ -64,12 +79,24 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     a single process: no process group is created and ``DistInfo(0, 1, 0, device, False)`` is
     returned. Calling it again once the group exists returns the same information.
 
+    cfg: the run's config (optional), read for ``parallel.timeout_s`` (the process group's timeout,
+    :func:`process_group_timeout_s`; without a cfg :data:`DEFAULT_TIMEOUT_S`), ``deterministic``
+    (:func:`apply_deterministic`, before any kernel runs) and ``dtype`` (on CUDA,
+    :func:`check_gpu_capability` of this rank's GPU). Under NCCL, ``NCCL_NVLS_ENABLE=0`` is set
+    unless the environment sets it: SGLang disables NVLS for its own communicators, and the
+    trainer's (created here, eagerly, before any engine) would otherwise take NVLS buffers
+    (gigabytes per rank on NVSwitch machines) that the memory plan does not count.
+
     A rank dies with the process that started it (torchrun's agent; :func:`die_with_parent`):
     killing the launcher, even with SIGKILL, leaves no rank training on its own.
     """
     cuda = torch.cuda.is_available()
+    timeout_s = DEFAULT_TIMEOUT_S if cfg is None else process_group_timeout_s(cfg)
+    if cfg is not None:
+        apply_deterministic(_select(cfg, "deterministic", False))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         device, _ = placement(0, cuda=cuda, device_count=torch.cuda.device_count() if cuda else 0)
+        _check_device(device, cfg)
         return DistInfo(rank=0, world_size=1, local_rank=0, device=device, distributed=False)
     die_with_parent()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -78,16 +105,87 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     device, backend = placement(local_rank, cuda=cuda, device_count=count, backend=backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        _check_device(device, cfg)
     if not dist.is_initialized():
+        if backend == "nccl":
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         dist.init_process_group(
             backend=backend,
             rank=rank,
             world_size=world_size,
             device_id=device if backend == "nccl" else None,
+            timeout=timedelta(seconds=timeout_s),
         )
     return DistInfo(
         rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True
     )
+
+
+def _select(cfg: Any, key: str, default: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, default=default)
+
+
+def process_group_timeout_s(cfg: Any) -> float:
+    """``parallel.timeout_s`` of ``cfg``, else :data:`DEFAULT_TIMEOUT_S` (the key is optional).
+    Raises ValueError naming the key for a value that is not a positive number."""
+    value = _select(cfg, "parallel.timeout_s", None)
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"parallel.timeout_s must be a number of seconds > 0, got {value!r}; omit it for the "
+            f"default ({DEFAULT_TIMEOUT_S:.0f})"
+        )
+    return float(value)
+
+
+def apply_deterministic(enabled: bool) -> None:
+    """``deterministic: true``: make the trainer's kernels deterministic, so that a GPU run repeats
+    itself bit for bit and a resumed run equals the uninterrupted one there as on CPU.
+
+    Sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (unless set: cuBLAS needs a fixed workspace before
+    its first call) and ``torch.use_deterministic_algorithms(True)``: the flash-attention backward
+    then takes its deterministic path (no atomic adds), and an op with no deterministic CUDA
+    kernel raises instead of running. ``False`` changes nothing (torch's default). Call it before
+    any CUDA kernel runs."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+# varlen flash attention (the packed passes' kernel for bf16/fp16 on CUDA) needs Ampere or newer
+FLASH_MIN_CAPABILITY = (8, 0)
+
+
+def check_gpu_capability(capability: tuple[int, int], name: str, dtype: str) -> str | None:
+    """The one-line reason a GPU of compute ``capability`` (``torch.cuda.get_device_capability``)
+    cannot train in ``dtype``, or None. bf16/fp16 attention goes to flash attention, which needs
+    sm80 (A100, H100, RTX 30xx and newer); below that it would fail inside the first forward."""
+    from minippo.config import canonical_dtype
+
+    if canonical_dtype(dtype, "dtype") == "float32" or tuple(capability) >= FLASH_MIN_CAPABILITY:
+        return None
+    major, minor = capability
+    return (
+        f"dtype={dtype} on {name} (compute capability sm{major}{minor}): the trainer's attention "
+        "runs flash attention, which needs sm80 or newer (A100, H100, RTX 30xx); use such a GPU"
+    )
+
+
+def _check_device(device: torch.device, cfg: Any) -> None:
+    """Raise RuntimeError with :func:`check_gpu_capability`'s line for this rank's GPU."""
+    if device.type != "cuda" or cfg is None or _select(cfg, "dtype", None) is None:
+        return
+    problem = check_gpu_capability(
+        torch.cuda.get_device_capability(device),
+        torch.cuda.get_device_name(device),
+        str(_select(cfg, "dtype", None)),
+    )
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def die_with_parent(

@@ -17,7 +17,8 @@ docs/memory.md compares both with measured peaks.
 
 :mod:`minippo.plan.gpu_sharing` holds the preflight refusals for an SGLang engine on the
 trainer's GPU (:func:`shared_gpu_problems`) and the trainer's allocator cap when both share it at
-once (:func:`trainer_memory_fraction`).
+once (:func:`trainer_memory_fraction`), and what the trainer's allocator keeps reserved beyond
+its live bytes when the engine wakes (:func:`reserved_vs_live`).
 """
 
 from minippo.plan.config import (
@@ -43,7 +44,9 @@ from minippo.plan.formula import (
     torch_engine_bytes,
 )
 from minippo.plan.gpu_sharing import (
+    ReservedLive,
     cap_trainer_memory,
+    reserved_vs_live,
     sglang_on_gpu,
     shared_gpu_problems,
     trainer_memory_fraction,
@@ -58,6 +61,7 @@ __all__ = [
     "MemoryPlan",
     "PlanInputs",
     "PlanItem",
+    "ReservedLive",
     "TorchEngineShape",
     "activation_bytes",
     "block_saved_bytes_per_token",
@@ -70,6 +74,7 @@ __all__ = [
     "plan_from_config",
     "plan_inputs_from_config",
     "plan_memory",
+    "reserved_vs_live",
     "rollout_mode",
     "scoring_bytes",
     "sglang_on_gpu",

@@ -18,7 +18,8 @@ padded positions when ``ppo.pack: false``); R = T · response_len / seq_len scor
     activations           saved for backward: Σ_blocks block_bytes(T) + globals (see
                           ``block_saved_bytes_per_token``); with activation checkpointing only each
                           block's input c·T·D is kept and one block is recomputed at a time;
-                          plus the lm_head chunk recomputed in backward (chunked logprobs)
+                          plus, for the actor, the fused loss's full-vocabulary buffers
+                          (fused_loss_bytes; the critic: its value head)
     reference model       P · m (frozen, sharded like the actor, no gradients or optimizer)
     critic                the same four items for the value model
     correction            what the correction class declares (``stored_weights``): per entry
@@ -30,7 +31,14 @@ padded positions when ``ppo.pack: false``); R = T · response_len / seq_len scor
                           TorchEngine on the GPU (``engine.device: cuda``): its weights in its dtype
                           + the KV cache of one wave + the larger of the prefill's and one decode
                           step's working set (``torch_engine_bytes``)
-    CUDA context          1 GiB reserved for the CUDA context and allocator slack (GPU only)
+    CUDA context          1 GiB (GPU only): an estimate of the CUDA context (0.5 GiB) plus the
+                          allocator slack the trainer may keep reserved beyond its live tensors
+                          after empty_cache (0.5 GiB, checked by minippo.plan.reserved_vs_live);
+                          NCCL runs without NVLS buffers (NCCL_NVLS_ENABLE=0, set by
+                          minippo.parallel.init_distributed as SGLang sets it); the rest of NCCL's
+                          buffers is not counted apart
+    pinned host memory    (GPU runs) offloaded states, host snapshots and CPUOffload states, each
+                          tensor's block rounded up to a power of two (pinned_rounding)
 
 Actor and critic run their backward passes one after the other, so only the larger of their
 activation sets is counted at the peak. Gradients and training activations (the "train" phase)
@@ -47,7 +55,8 @@ larger phase on top of everything else.
                    host memory with rollout.offload_trainer); gradients are freed at every
                    optimizer step, activations and FSDP's unsharded parameters after each pass
                  training = trainer peak + what the engine keeps after releasing its memory
-                   (ENGINE_AFTER_RELEASE_BYTES: not sized, counted 0)
+                   (ENGINE_AFTER_RELEASE_BYTES: its scheduler's CUDA context, 0.5 GiB, an
+                   estimate)
                  the verdict is on the larger phase
 """
 
@@ -78,18 +87,27 @@ __all__ = [
     "TorchEngineShape",
     "activation_bytes",
     "block_saved_bytes_per_token",
+    "fused_loss_bytes",
     "model_param_shapes",
+    "pinned_rounding",
     "plan_memory",
     "scoring_bytes",
     "torch_engine_bytes",
 ]
 
 GiB = 1 << 30
-CUDA_CONTEXT_BYTES = 1 * GiB
+# One process's CUDA context (driver state, cuBLAS/cuDNN handles and workspaces, loaded kernels):
+# an estimate, typical of H100s with recent drivers, until a GPU run measures it.
+CUDA_CONTEXT_ESTIMATE_BYTES = GiB // 2
+# What the trainer's caching allocator may keep reserved beyond its live tensors once
+# torch.cuda.empty_cache() has run (blocks of partly used segments): the margin that
+# minippo.plan.reserved_vs_live checks at each wake of the engine (docs/memory.md).
+ALLOCATOR_SLACK_BYTES = GiB // 2
+CUDA_CONTEXT_BYTES = CUDA_CONTEXT_ESTIMATE_BYTES + ALLOCATOR_SLACK_BYTES
 # What SGLang keeps on the GPU after release_memory_occupation (weights, KV cache and CUDA graphs
-# released): the reading of its source (docs/sglang_backend.md) gives no figure; its scheduler
-# process keeps at least its own CUDA context, which is not counted in overlap mode either.
-ENGINE_AFTER_RELEASE_BYTES = 0
+# released): its scheduler process keeps its own CUDA context. An estimate (one context), not
+# measured; the reading of SGLang's source (docs/sglang_backend.md) gives no figure.
+ENGINE_AFTER_RELEASE_BYTES = CUDA_CONTEXT_ESTIMATE_BYTES
 ROLLOUT_MODES = ("alternate", "overlap")
 
 
@@ -204,6 +222,7 @@ def activation_bytes(
     device: str = "cuda",
     tokens: int | None = None,
     packed: bool = False,
+    fused: bool = False,
 ) -> ActivationBytes:
     """Activations of ``micro_batch`` sequences of ``seq_len`` tokens, ``response_len`` of which
     are scored (actor: chunked logprobs over the vocabulary; critic: ``lm_head=False``, a scalar
@@ -222,6 +241,11 @@ def activation_bytes(
                                fp32 copy, scaled copy, softmax and gradients (measured on CPU)
         hidden gradient (bwd)  4·T·D
         recomputed block (AC)  one block's saved bytes, during its backward
+
+    ``fused``: the actor's update through ``minippo.models.fused_policy_loss`` (the recipe's only
+    path), whose pass at the end of the forward holds instead of the recomputed chunk
+    (:func:`fused_loss_bytes`) its full-vocabulary buffers and the hidden-state gradient c·R·D,
+    which stays until backward: transient = c·R·D + max(fused_loss_bytes, 4·T·D + the AC block).
     """
     for name, v in [("micro_batch", micro_batch), ("seq_len", seq_len)]:
         if v < 1:
@@ -240,14 +264,42 @@ def activation_bytes(
     if mask:
         globals_ += c * T * seq_len
     transient = 4 * T * D
-    if lm_head:
-        globals_ += c * R * D
-        transient += min(logits_chunk, max(R, 1)) * args.vocab_size * (20 if entropy else 16)
-    else:
-        globals_ += c * T * D  # the value head's input
     if checkpointing:
         transient += block
+    if lm_head:
+        globals_ += c * R * D
+        n = min(logits_chunk, max(R, 1))
+        if fused:
+            fused_pass = fused_loss_bytes(n, args.vocab_size, D, c)
+            return ActivationBytes(
+                saved=blocks + globals_, transient=c * R * D + max(fused_pass, transient)
+            )
+        transient += n * args.vocab_size * (20 if entropy else 16)
+    else:
+        globals_ += c * T * D  # the value head's input
     return ActivationBytes(saved=blocks + globals_, transient=transient)
+
+
+def fused_loss_bytes(n: int, vocab: int, dim: int, compute_bytes: int) -> int:
+    """Peak bytes of ``fused_policy_loss``'s forward beyond its inputs and the lm_head gradient
+    it hands to backward (counted as a gradient: the FSDP working set's root gradient, or the
+    gradients item), for chunks of ``n`` tokens, V = ``vocab``, D = ``dim``, c = compute bytes
+    (the lm_head weight's and the hidden states' dtype):
+
+        c = 4 (fp32)   8·n·V                   z and p, fp32 [n, V]; ∂z is p in place, and the
+                                               fp32 gradient accumulator is the gradient itself
+        c < 4 (bf16)   4·V·D                   fp32 accumulator of the lm_head gradient
+                       + max(8·n·V,            z and p
+                             c·n·V + (c+4)·V·D) ∂z in c, and a chunk's (∂z)ᵀh in c and its fp32
+                                               copy, added to the accumulator
+
+    (the lm_head gradient in c is made from the accumulator at the end: c·V·D, the gradient
+    itself). For Qwen3-4B in bf16 (V = 151936, D = 2560, n = 1024): 3.91 GiB.
+    """
+    c = compute_bytes
+    if c >= 4:
+        return 8 * n * vocab
+    return 4 * vocab * dim + max(8 * n * vocab, c * n * vocab + (c + 4) * vocab * dim)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,6 +509,9 @@ class PlanItem:
     # while the engine generates (rollout.mode=alternate): "kept" on the device, "offload" kept
     # unless rollout.offload_trainer moves it to pinned host memory, "freed" not alive
     while_generating: str = "kept"
+    # of ``host``, the bytes the CUDA host allocator adds by rounding pinned blocks up to powers
+    # of two (held by the process, not by tensors: a tensor tracker does not see them)
+    pinned_extra: int = 0
 
 
 @dataclass
@@ -474,6 +529,9 @@ class MemoryPlan:
     # total per rank under each sharding ({"fsdp": ..., "hsdp": ...})
     traffic: dict[str, Any] = field(default_factory=dict)
     layout_totals: dict[str, int] = field(default_factory=dict)
+    # pinned host buffers (CUDA runs) per byte asked: each rounded up to a power of two by the
+    # CUDA host allocator (pinned_rounding); 1.0 on CPU runs
+    pinned_factor: float = 1.0
 
     def _phase_device(self, phase: str, engine: bool) -> int:
         return sum(
@@ -493,6 +551,12 @@ class MemoryPlan:
         """ "train" (PPO updates) or "score" (the no-grad passes), whichever peaks."""
         train, score = self._phase_device("train", True), self._phase_device("score", True)
         return "train" if train >= score else "score"
+
+    def _tensor_host(self) -> int:
+        """Host bytes of the trainer's tensors at the peak (the items less the engine's, without
+        the pinned allocator's rounding): what a tensor tracker counts in host memory."""
+        extra = sum(i.pinned_extra for i in self.items if i.at_peak)
+        return self._sum("host", "engine", without=True) - extra
 
     def _sum(self, field_: str, prefix: str, *, without: bool = False) -> int:
         return sum(
@@ -516,7 +580,7 @@ class MemoryPlan:
             return self.formula_trainer_total
         if self.inputs.device == "cpu":
             return self.measured.peak
-        host = self._sum("host", "engine", without=True)
+        host = self._tensor_host()
         return self.measured.peak - host + self._sum("device", "CUDA")
 
     @property
@@ -524,7 +588,7 @@ class MemoryPlan:
         """The formula's live tensor bytes of the trainer at the peak, device and host memory
         together (what a tensor tracker and the measured step count): the trainer total without
         the assumed CUDA context, plus the host items other than the engine's."""
-        host = self._sum("host", "engine", without=True)
+        host = self._tensor_host()
         return self._device(False) - self._sum("device", "CUDA") + host
 
     @property
@@ -534,14 +598,23 @@ class MemoryPlan:
         return engine and self.inputs.rollout_mode == "alternate"
 
     @property
+    def engine_after_release(self) -> int:
+        """What a released engine keeps on the GPU while the trainer trains (alternate mode): its
+        own process's CUDA context (ENGINE_AFTER_RELEASE_BYTES, an estimate); 0 in overlap mode
+        and for a TorchEngine in the trainer's process."""
+        t = self.inputs.torch_engine
+        own = t is None or t.own_process
+        return ENGINE_AFTER_RELEASE_BYTES if self.alternates and own else 0
+
+    @property
     def training_total(self) -> int:
         """Bytes on the device while the trainer trains, at its peak: the trainer, plus the
         engine's share in overlap mode (in alternate mode the engine has released it:
-        ENGINE_AFTER_RELEASE_BYTES); RAM column on CPU runs."""
-        after_release = ENGINE_AFTER_RELEASE_BYTES if self.alternates else 0
+        :attr:`engine_after_release`); RAM column on CPU runs."""
+        after_release = self.engine_after_release
         if self.measured is None:
             return self._device(True) + after_release
-        host = self._sum("host", "engine", without=True)
+        host = self._tensor_host()
         engine = self._sum("device", "engine")
         return self.measured.peak - host + self._sum("device", "CUDA") + engine + after_release
 
@@ -575,7 +648,8 @@ class MemoryPlan:
     def host_total(self) -> int:
         """Host bytes of the items, plus the pinned buffers of rollout.offload_trainer."""
         offload = self.alternates and self.inputs.offload_trainer
-        return sum(i.host for i in self.items) + (self.offloaded if offload else 0)
+        pinned = int(self.offloaded * self.pinned_factor)
+        return sum(i.host for i in self.items) + (pinned if offload else 0)
 
     @property
     def fits(self) -> bool | None:
@@ -736,6 +810,8 @@ class MemoryPlan:
                 if self.alternates
                 else "totals and verdict from the measured step; items from the formulas"
             )
+        if x.device == "cuda":
+            lines.extend(self._estimate_lines())
         lines.append("")
         if self.fits is not None:
             gpu = x.gpu_mem_bytes or 0
@@ -757,6 +833,23 @@ class MemoryPlan:
             lines.append("switches that shrink them:")
             lines.extend(f"  - {a}" for a in adv)
         return "\n".join(lines)
+
+    def _estimate_lines(self) -> list[str]:
+        """Which figures of a GPU plan come from shapes (checked against real allocations on
+        CPU) and which are estimates until a GPU run measures them (docs/memory.md)."""
+        estimates = [
+            f"CUDA context {_size(CUDA_CONTEXT_ESTIMATE_BYTES)}",
+            f"allocator slack {_size(ALLOCATOR_SLACK_BYTES)}",
+        ]
+        if self.engine_after_release:
+            estimates.append(f"engine after release {_size(self.engine_after_release)}")
+        return [
+            "from shapes, checked on CPU: parameters, gradients, optimizer states, activations, "
+            "the fused loss's buffers, correction, no-grad passes",
+            "estimates until a GPU run measures them: "
+            + ", ".join(estimates)
+            + "; pinned host blocks by the CUDA host allocator's power-of-two rule",
+        ]
 
     def _forward_text(self) -> str:
         """One training forward, as the table's header says it."""
@@ -815,17 +908,18 @@ class MemoryPlan:
                 f"rollout.mode=overlap: engine {fmt(engine)} + trainer {fmt(trainer - engine)} "
                 f"{unit} at once (the engine generates while the trainer trains)"
             ]
-        after = ENGINE_AFTER_RELEASE_BYTES
+        after = self.engine_after_release
         gen, gen_off = self.generation_total(False), self.generation_total(True)
         return [
             f"rollout.mode=alternate, rollout.offload_trainer="
             f"{str(self.inputs.offload_trainer).lower()}: engine and trainer take turns",
             f"{'  generation':<30}{fmt(gen):>10}{'':>10}  engine {fmt(engine)} + the trainer's "
             f"resident state {fmt(gen - engine)}",
-            f"{'  generation, offload_trainer':<30}{fmt(gen_off):>10}{fmt(self.offloaded):>10}  "
+            f"{'  generation, offload_trainer':<30}{fmt(gen_off):>10}"
+            f"{fmt(int(self.offloaded * self.pinned_factor)):>10}  "
             "actor/critic parameters and optimizer states in pinned host memory",
             f"{'  training':<30}{fmt(trainer):>10}{'':>10}  the trainer's peak + engine after "
-            f"release {fmt(after)} (not sized: counted 0)",
+            f"release {fmt(after)} (its CUDA context: an estimate)",
         ]
 
 
@@ -857,6 +951,10 @@ def _model_items(
         minimal_size=spec[1],
         step_on_device=x.device == "cuda",
     )
+    # CPUOffload's host states are pinned on CUDA runs
+    pinned_extra = 0
+    if x.device == "cuda" and spec[0].offload and opt.host:
+        pinned_extra = int(opt.host * pinned_rounding(local)) - opt.host
     items = [
         PlanItem(
             f"{name} parameters",
@@ -868,9 +966,10 @@ def _model_items(
         PlanItem(
             f"{name} optimizer states",
             opt.device,
-            opt.host,
+            opt.host + pinned_extra,
             note=_opt_note(spec[0]),
             while_generating="offload",
+            pinned_extra=pinned_extra,
         ),
     ]
     if x.sharded:
@@ -898,6 +997,7 @@ def _model_items(
         device=x.device,
         tokens=x.train_tokens,
         packed=x.packed,
+        fused=not value_head,
     )
     return items, act
 
@@ -918,6 +1018,8 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
     actor_shapes = model_param_shapes(x.actor)
     P = sum(_local(actor_shapes, W))
     plan.actor_numel = P
+    if x.device == "cuda":
+        plan.pinned_factor = pinned_rounding(_local(actor_shapes, W))
     items, act = _model_items(
         "actor", x.actor, x, x.actor_optimizer, value_head=False, shapes=actor_shapes
     )
@@ -940,6 +1042,7 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
         device=x.device,
         tokens=x.train_tokens,
         packed=x.packed,
+        fused=True,
     )
     without = f"{'without' if x.activation_checkpointing else 'with'} AC: {_size(alt.total)}"
     largest = max(a.total for _, a in acts)
@@ -957,7 +1060,7 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
         )
     if x.reference:
         plan.items.append(PlanItem("reference model", P * x.master_bytes, note="frozen, sharded"))
-    plan.items.append(_correction_item(x, P))
+    plan.items.append(_correction_item(x, P, plan.pinned_factor))
     plan.items.append(_scoring_item(x))
     if x.device == "cuda":
         if x.rollout_mode not in ROLLOUT_MODES:
@@ -991,7 +1094,13 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
                     at_peak=not alternate,
                 )
             )
-        plan.items.append(PlanItem("CUDA context + slack", CUDA_CONTEXT_BYTES, note="assumed"))
+        plan.items.append(
+            PlanItem(
+                "CUDA context + slack",
+                CUDA_CONTEXT_BYTES,
+                note="estimate: context 0.5 + allocator slack 0.5 GiB; NCCL without NVLS",
+            )
+        )
     if x.nnodes > 1 and x.step is not None:
         _add_traffic(plan)
     return plan
@@ -1094,9 +1203,21 @@ def _scoring_item(x: PlanInputs) -> PlanItem:
     )
 
 
-def _correction_item(x: PlanInputs, P: int) -> PlanItem:
+def pinned_rounding(local_numels: Iterable[int]) -> float:
+    """Host bytes per byte asked when every tensor of these local element counts gets a pinned
+    host copy: the CUDA host allocator (``CachingHostAllocator``) rounds each pinned block up to a
+    power of two and keeps it cached for the process's life. The same for any element size that
+    is a power of two (fp32, bf16, torchao's codes), so one factor serves parameters, their
+    snapshots and optimizer states."""
+    sizes = [n for n in local_numels if n > 0]
+    if not sizes:
+        return 1.0
+    return sum(1 << (n - 1).bit_length() for n in sizes) / sum(sizes)
+
+
+def _correction_item(x: PlanInputs, P: int, pinned: float = 1.0) -> PlanItem:
     """The weights the correction class declares it stores; ``P``: the actor's local parameter
-    elements."""
+    elements; ``pinned``: :func:`pinned_rounding` of its host copies (CUDA runs)."""
     c = x.correction
     name = f"correction ({c.name})"
     if not c.stored:
@@ -1107,4 +1228,7 @@ def _correction_item(x: PlanInputs, P: int) -> PlanItem:
         dtype = "master dtype" if w.dtype is None else w.dtype
         where = "host" if w.storage == "cpu" else "device"
         parts.append(f"{w.what}: {w.copies} x {dtype}, {where}")
-    return PlanItem(name, device, host, note="; ".join(parts))
+    extra = int(host * pinned) - host
+    if extra:
+        parts.append(f"host pinned: x{pinned:.2f} (power-of-two blocks)")
+    return PlanItem(name, device, host + extra, note="; ".join(parts), pinned_extra=extra)

@@ -15,14 +15,15 @@ its activations and sampling), and any error in its scheduler kills the rank
                              (:func:`cap_trainer_memory`)
 
 Config only: the model is planned from its shape (config.json or a size builder), nothing is
-built or allocated.
+built or allocated. :func:`reserved_vs_live` (for a run that has a GPU) reports what the
+trainer's allocator keeps reserved beyond its live tensors when the engine wakes.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -34,9 +35,15 @@ from minippo.plan.config import (
     rollout_mode,
     sglang_on_gpu,
 )
-from minippo.plan.formula import GiB
+from minippo.plan.formula import ALLOCATOR_SLACK_BYTES, GiB
 
-__all__ = ["cap_trainer_memory", "shared_gpu_problems", "trainer_memory_fraction"]
+__all__ = [
+    "ReservedLive",
+    "cap_trainer_memory",
+    "reserved_vs_live",
+    "shared_gpu_problems",
+    "trainer_memory_fraction",
+]
 
 
 def _trainer_beside_engine(
@@ -150,3 +157,55 @@ def cap_trainer_memory(cfg: DictConfig, device: Any, *, world_size: int = 1) -> 
     if device.type == "cuda" and sglang_on_gpu(cfg) and rollout_mode(cfg) == "overlap":
         fraction = trainer_memory_fraction(cfg, world_size=world_size)
         torch.cuda.set_per_process_memory_fraction(fraction, device)
+
+
+class ReservedLive(NamedTuple):
+    """The trainer's CUDA caching allocator after ``torch.cuda.empty_cache()``.
+
+    Fields:
+        reserved:  ``torch.cuda.memory_reserved(device)``: bytes the allocator holds from the GPU
+        allocated: ``torch.cuda.memory_allocated(device)``: bytes of live tensors
+        margin:    the bytes reserved may exceed allocated by (``ALLOCATOR_SLACK_BYTES``, the
+                   plan's allowance for allocator slack; docs/memory.md)
+    """
+
+    reserved: int
+    allocated: int
+    margin: int = ALLOCATOR_SLACK_BYTES
+
+    @property
+    def slack(self) -> int:
+        """Reserved bytes that hold no live tensor (partly used segments)."""
+        return self.reserved - self.allocated
+
+    @property
+    def within_margin(self) -> bool:
+        return self.slack <= self.margin
+
+    def line(self) -> str:
+        """One line for a log: the three figures in GiB and the verdict."""
+        verdict = "within" if self.within_margin else "OVER"
+        return (
+            f"trainer allocator after empty_cache: reserved {self.reserved / GiB:.2f} GiB, live "
+            f"{self.allocated / GiB:.2f} GiB, slack {self.slack / GiB:.2f} GiB ({verdict} the "
+            f"plan's {self.margin / GiB:.2f} GiB)"
+        )
+
+
+def reserved_vs_live(device: Any = None) -> ReservedLive | None:
+    """Run ``torch.cuda.empty_cache()`` and report the trainer's reserved and live bytes on
+    ``device`` (None: the current CUDA device): what an engine waking on this GPU cannot have.
+    None where ``device`` is not a CUDA device or torch has no CUDA (CPU runs)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return ReservedLive(
+        reserved=int(torch.cuda.memory_reserved(device)),
+        allocated=int(torch.cuda.memory_allocated(device)),
+    )

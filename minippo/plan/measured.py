@@ -10,9 +10,9 @@ recipe (recipes/async_ppo.py):
 
     setup          actor (+ critic, + frozen reference) built in fp32, activation checkpointing
                    and FSDP2 sharding (over a fake process group of ``world_size`` ranks) as
-                   configured, the configured optimizers with their states (one step on zero
-                   gradients creates them, as the first real step does), and the correction's
-                   stored weights as its class declares them (``stored_weights``)
+                   configured, the configured optimizers with their states
+                   (``build_optimizer`` creates them at setup, as in the recipe), and the
+                   correction's stored weights as its class declares them (``stored_weights``)
     step 2         no-grad passes over the rank's batch, ``score_rows`` sequences per forward:
                    reference logprobs, critic values, ``scoring_passes`` actor forwards
     step 4         one minibatch: per micro-batch the actor's ``fused_policy_loss`` backward
@@ -276,15 +276,10 @@ def _setup(
     actor = build(Transformer, x.actor, True)
     critic = build(ValueModel, x.critic, True) if x.critic is not None else None
     ref = build(Transformer, x.actor, False) if x.reference else None
+    # build_optimizer creates the states at once, as in the recipe's setup (materialize_state)
     opts = [build_optimizer(optimizer, actor.parameters())]
     if critic is not None:
         opts.append(build_optimizer(critic_optimizer or optimizer, critic.parameters()))
-    # the states exist from the first step on: one step on zero gradients creates them
-    for model, opt in zip((actor, critic), opts):
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
     P = sum(local_numel(s, x.world_size, 0) for s in model_param_shapes(x.actor))
     stored = [
         torch.empty(

@@ -29,10 +29,16 @@ Bytes of optimizer state per parameter element (Adam keeps two moments, m and v)
 torchao quantizes only tensors whose *local* element count (the FSDP2 shard on this rank) is at least
 4096 and divisible by the block size; smaller tensors keep plain states in the parameter's dtype.
 :func:`optimizer_state_bytes` applies exactly these rules; the memory planner uses it.
+
+State from setup: ``build_optimizer`` creates the state of the optimizers above (those of
+:data:`OPTIMIZER_SPECS`) at once (:func:`materialize_state`), so that on CUDA it is allocated
+beside the parameters, before any activation, instead of inside blocks the caching allocator
+cached from the first step's activations (docs/memory.md, "Reserved and live bytes").
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -50,9 +56,12 @@ __all__ = [
     "OptimizerSpec",
     "StateBytes",
     "build_optimizer",
+    "materialize_state",
     "optimizer_spec",
     "optimizer_state_bytes",
 ]
+
+log = logging.getLogger(__name__)
 
 # torchao's rule (``_AdamBase._new_buffer``): quantize only tensors with at least this many local
 # elements (and a multiple of the block size).
@@ -162,8 +171,59 @@ def build_optimizer(node: DictConfig | dict, params: Iterable[Any]) -> torch.opt
             f"(known: {', '.join(OPTIMIZER_SPECS)})"
         )
     if _cpu_foreach_by_default(node, params):
-        return instantiate(node, params, foreach=True)
-    return instantiate(node, params)
+        optimizer = instantiate(node, params, foreach=True)
+    else:
+        optimizer = instantiate(node, params)
+    component = str(node["_component_"])
+    if component in OPTIMIZER_SPECS:
+        materialize_state(optimizer)
+    elif component != CPU_OFFLOAD:  # CPUOffload keeps its states in pinned host memory
+        log.warning(
+            "optimizer._component_=%s: its state is created at its first step (state from setup "
+            "only for %s); on CUDA that state may be carved from cached activation blocks",
+            component,
+            ", ".join(OPTIMIZER_SPECS),
+        )
+    return optimizer
+
+
+def materialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state of an Adam-family ``optimizer`` (torch Adam/AdamW, torchao's 8-bit, 4-bit
+    and fp8 Adam) now, exactly as its first ``step()`` would create it before updating.
+
+    The state is made the way a resume makes it (``get_state_dict`` →
+    ``torch.distributed.checkpoint.state_dict._init_optim_state``: one step on zero gradients
+    with the learning rate 0, which leaves the parameters bit for bit unchanged), then set back to
+    a fresh state: the step counters to 0 and every moment to zero as the optimizer's own
+    initialisation makes it (plain tensors zero; torchao's quantized states with zero codes and
+    zero scales, the lookup table kept). So training from here gives the same parameters, bit for
+    bit, as a lazily created state (tests/unit/test_optimizer_eager_state.py, one process and
+    FSDP2 on 2 gloo ranks). A no-op when a state exists already; parameters must have no
+    gradient.
+    """
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    if optimizer.state:
+        return
+    _init_optim_state(optimizer)
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                _zero_state(value)
+
+
+def _zero_state(t: torch.Tensor) -> None:
+    """Set one state tensor (a DTensor, a torchao quantized state or a plain tensor) to the value
+    the optimizer's own initialisation gives it: zero (torchao: ``OptimState*bit.zeros``, zero
+    codes and zero scales beside the unchanged lookup table ``qmap``)."""
+    local = t.to_local() if type(t).__name__ == "DTensor" else t
+    attrs = getattr(local, "tensor_attrs", None)
+    if attrs is None:
+        local.zero_()
+        return
+    for name in attrs:
+        if name != "qmap":
+            getattr(local, name).zero_()
 
 
 def _cpu_foreach_by_default(node: DictConfig | dict, params: list[Any]) -> bool:

@@ -61,6 +61,7 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
     "dtype": Dtype(),
     "activation_checkpointing": Bool(),
     "compile": Bool(optional=True),
+    "deterministic": Bool(optional=True),
     "publish_bucket_mb": Float(gt=0),
     "cpu_threads": Int(min=1, null=True),
     "checkpoint_path": Str(null=True),
@@ -166,6 +167,7 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
         {
             "sharding": Str(("fsdp", "hsdp"), optional=True),
             "shared_output_dir": Bool(optional=True),
+            "timeout_s": Float(gt=0, optional=True),
         },
         optional=True,
     ),
@@ -227,7 +229,8 @@ def async_ppo_shape_problems(cfg: DictConfig, world_size: int, distributed: bool
     rows per rank by ``ppo.minibatches``, minibatch rows by ``ppo.micro_batch_size``, one size
     per forward (rows or a token budget, which needs ``ppo.pack``), k1 as a KL loss, critic
     warm-up steps, the keys of one ``rollout.mode`` used with the other, ``rollout.sync_every``
-    against eval, a non-fp32 ``dtype`` without a process group."""
+    against eval, a non-fp32 ``dtype`` without a process group, ``dtype: fp32`` on CUDA
+    (:func:`dtype_device_problem`; the trainer's device is CUDA wherever torch sees a GPU)."""
     from omegaconf import OmegaConf
 
     from minippo.config import canonical_dtype
@@ -330,7 +333,64 @@ def async_ppo_shape_problems(cfg: DictConfig, world_size: int, distributed: bool
             f"dtype={cfg.dtype} is FSDP2 mixed precision (fp32 master weights), which needs a "
             "process group: run `minippo run --nproc-per-node 1 async_ppo ...`, or set dtype=fp32"
         )
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    attention = None
+    if device == "cuda" and canonical_dtype(cfg.dtype, "dtype") == "float32":
+        attention = fp32_attention_bytes(cfg, world_size)
+    problem = dtype_device_problem(device, cfg.dtype, attention)
+    if problem is not None:
+        problems.append(problem)
     return problems
+
+
+# fp32 attention on CUDA (SDPA's math kernel) is allowed while the attention matrices it keeps
+# for one training forward stay below this: the tiny configs on a GPU (a few MiB), not a real model
+FP32_CUDA_ATTENTION_LIMIT = 1 << 30
+
+
+def fp32_attention_bytes(cfg: DictConfig, world_size: int = 1) -> int | None:
+    """Upper bound of the fp32 attention probabilities SDPA's math kernel keeps for backward in one
+    training forward: n_layers · H · T · S · 4 bytes (T tokens per forward, S the longest sequence:
+    a query attends to at most S keys of its sequence); None when the model's shape cannot be read
+    from the config (``minippo.plan.plan_inputs_from_config``)."""
+    from minippo.config import ConfigError
+    from minippo.plan import plan_inputs_from_config
+
+    try:
+        x = plan_inputs_from_config(cfg, world_size=world_size, device="cuda")
+    except (ConfigError, OSError, ValueError):
+        return None
+    return x.actor.n_layers * x.actor.n_heads * x.train_tokens * x.seq_len * 4
+
+
+def dtype_device_problem(
+    device_type: str, dtype: str, attention_bytes: int | None = None
+) -> str | None:
+    """The one-line reason the trainer cannot train in ``dtype`` on ``device_type``, or None.
+
+    The trainer computes in ``dtype`` on every path (one plain process: unsharded fp32; FSDP2:
+    fp32 master weights, ``dtype`` compute). On CUDA its attention (``models/packing.py``,
+    ``models/model.py``) has fast kernels for bf16/fp16 only (flash attention); in fp32 it falls
+    to SDPA's math kernel with grouped-query heads, which materialises every attention matrix and
+    keeps it for backward. ``attention_bytes`` (:func:`fp32_attention_bytes`): those matrices for
+    one training forward; fp32 on CUDA is refused when they exceed FP32_CUDA_ATTENTION_LIMIT
+    (1 GiB) or are unknown (None). The tiny configs stay allowed on a GPU (the trainer runs
+    there wherever torch sees one); fp32 on the CPU is the tested path of the CPU configs."""
+    from minippo.config import canonical_dtype
+
+    if device_type != "cuda" or canonical_dtype(dtype, "dtype") != "float32":
+        return None
+    if attention_bytes is not None and attention_bytes <= FP32_CUDA_ATTENTION_LIMIT:
+        return None
+    size = "of unknown size" if attention_bytes is None else f"{attention_bytes / 2**30:.1f} GiB"
+    return (
+        f"dtype={dtype} on a CUDA device: the trainer's fp32 attention has no fast CUDA kernel; "
+        f"SDPA's math kernel keeps every attention matrix for backward ({size} per training "
+        "forward, more than 1 GiB: slow, may run out of memory); set dtype=bf16 (fp32 master "
+        "weights under FSDP2), or train on the CPU with CUDA_VISIBLE_DEVICES=''"
+    )
 
 
 def check_inputs(cfg: DictConfig, world_size: int = 1, local_world_size: int | None = None) -> None:

@@ -47,9 +47,10 @@ from minippo.plan import (
     plan_inputs_from_config,
     plan_memory,
 )
+from minippo.plan.formula import fused_loss_bytes, pinned_rounding
 from minippo.rl.correction import build_correction
 from minippo.rl.types import RolloutBatch
-from minippo.training.optimizers import build_optimizer, optimizer_spec
+from minippo.training.optimizers import build_optimizer, local_numel, optimizer_spec
 from tests.helpers import saved_bytes
 
 CORRECTIONS = {"ewma": "EWMA", "keep_old_actor": "KeepOldActor", "tis": "TIS"}
@@ -368,7 +369,10 @@ def test_plan_from_config_for_a_4b_model_on_8_gpus():
     assert items["critic parameters"].device == pytest.approx(params, rel=1e-4)
     snap = items["correction (KeepOldActor)"]
     # 4 live versions; no swap buffer: the actor is restored from the latest (exact) snapshot
-    assert snap.device == 0 and snap.host == pytest.approx(4 * params, rel=0.01)
+    # pinned host snapshots: every tensor's block rounded up to a power of two
+    assert plan.pinned_factor == pytest.approx(pinned_rounding(_local_numels(qwen3_4b(), 8)))
+    assert snap.device == 0
+    assert snap.host == pytest.approx(4 * params * plan.pinned_factor, rel=0.01)
     assert items["engine (mem_fraction)"].device == int(0.35 * 141 * GiB)
     assert plan.fits is (plan.device_total <= 141 * GiB)
     text = plan.table()
@@ -380,7 +384,8 @@ def test_packed_passes_plan_the_budget_tokens_and_no_mask():
     its longest sequence): the activations are those of 20480 real tokens; the same forwards
     padded (4 rows of 5120) add the additive mask c·T·S and, on a GPU, the key/value heads
     repeated for the masked kernels (c·hd·2·(H − H_kv) per token, in the block recomputed under
-    activation checkpointing), nothing else."""
+    activation checkpointing, which runs after the fused loss's pass: the larger of the two
+    counts), nothing else."""
     over = ["checkpoint_path=null", "model={_component_: minippo.models.qwen3_4b}"]
     cfg = load_config("qwen3_4b_dapo_math_8gpu", over)
     x = plan_inputs_from_config(cfg, world_size=8)
@@ -404,7 +409,14 @@ def test_packed_passes_plan_the_budget_tokens_and_no_mask():
     args, c, T, S = x.actor, x.compute_bytes, 20480, 5120
     repeat = c * args.head_dim * 2 * (args.n_heads - args.n_kv_heads)
     assert x.activation_checkpointing
-    assert b - a == c * T * S + repeat * T
+    R = T * x.response_len // x.seq_len
+    fused = fused_loss_bytes(min(x.logits_chunk, R), args.vocab_size, args.dim, c)
+    block = block_saved_bytes_per_token(
+        args, compute_bytes=c, mask=False, device="cuda", packed=True
+    )
+    block *= T
+    backward = 4 * T * args.dim + block  # the hidden gradient and the recomputed block
+    assert b - a == c * T * S + max(fused, backward + repeat * T) - max(fused, backward)
 
 
 def test_switches_shrink_what_they_should():
@@ -454,7 +466,9 @@ def test_switches_shrink_what_they_should():
     assert item(ewma, "correction (EWMA)").device > 0 and ewma.host_total == 0
     # swap_storage: cpu moves the swap buffer (one master-dtype copy of the shards) to the host
     moved = item(ewma, "correction (EWMA)").device - item(ewma_host, "correction (EWMA)").device
-    assert moved == item(ewma_host, "correction (EWMA)").host > 0
+    # in pinned host memory, each tensor's block rounded up to a power of two
+    assert int(moved * ewma_host.pinned_factor) == item(ewma_host, "correction (EWMA)").host
+    assert moved > 0 and ewma_host.pinned_factor > 1
     assert ewma_host.device_total == ewma.device_total - moved
     # rollout.mode decides whether the engine's share is alive while training, not memory_mode
     # (the phases of rollout.mode=alternate: tests/unit/test_memory_plan_modes.py)
@@ -571,7 +585,10 @@ def test_the_correction_item_is_what_the_class_declares():
     assert _item(plan, "correction").device == 4 * P * 2 + P * 4
     assert _item(plan, "correction").host == 0
     host = _plan(_run_cfg(correction={"_component_": FAKE, "storage": "cpu"}))
-    assert (_item(host, "correction").device, _item(host, "correction").host) == (4 * P, 4 * P * 4)
+    assert (_item(host, "correction").device, _item(host, "correction").host) == (
+        4 * P,
+        int(4 * P * 4 * host.pinned_factor),
+    )
     # the switches are the advice, with the bytes they save
     many = _plan(
         _run_cfg(
@@ -730,3 +747,52 @@ def test_a_released_size_is_planned_without_its_download(tmp_path, capsys):
         plan_inputs_from_config(
             load_config("qwen3_0_6b_gsm8k_1gpu", [f"checkpoint_path={tmp_path}"])
         )
+
+
+def _local_numels(args, world_size: int) -> list[int]:
+    return [local_numel(s, world_size) for s in model_param_shapes(args)]
+
+
+def test_pinned_rounding_is_powers_of_two_per_tensor():
+    assert pinned_rounding([4096, 1024]) == 1.0
+    assert pinned_rounding([3000]) == pytest.approx(4096 / 3000)
+    assert pinned_rounding([3, 5]) == pytest.approx((4 + 8) / 8)
+    assert pinned_rounding([]) == 1.0
+
+
+def test_fused_loss_bytes_count_what_the_fused_pass_holds():
+    V, D, n = 151936, 2560, 1024
+    # bf16: the fp32 accumulator + the larger of (z, p fp32) and (dz bf16 + a chunk's bf16 and
+    # fp32 [V, D] gradient)
+    bf16 = fused_loss_bytes(n, V, D, 2)
+    assert bf16 == 4 * V * D + max(8 * n * V, 2 * n * V + 6 * V * D)
+    assert bf16 / GiB == pytest.approx(3.91, abs=0.01)
+    # fp32: z and p only (the accumulator is the gradient itself, dz is p in place)
+    assert fused_loss_bytes(n, V, D, 4) == 8 * n * V
+
+
+@pytest.mark.parametrize(("dtype", "c"), [(torch.bfloat16, 2), (torch.float32, 4)])
+@pytest.mark.parametrize(("V", "D", "n", "R"), [(4096, 64, 32, 64), (512, 256, 16, 48)])
+def test_fused_loss_bytes_equal_the_fused_pass_peak_on_cpu(dtype, c, V, D, n, R):
+    """The peak of live bytes the fused pass adds to its inputs: fused_loss_bytes + the hidden
+    gradient c·R·D (+ in fp32 the lm_head gradient c·V·D, which the accumulator is), within the
+    per-token vectors (logprobs, entropies, prepared inputs: < 64 bytes a token)."""
+    from minippo.models.fused_policy_loss import FusedLossSpec, fused_policy_loss_from_hidden
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, R, D, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(V, D, generator=g) * 0.02).to(dtype).requires_grad_()
+    y = torch.randint(0, V, (1, R), generator=g)
+    spec = FusedLossSpec(
+        anchor_logprobs=torch.full((1, R), -5.0),
+        advantages=torch.randn(1, R, generator=g),
+        response_mask=torch.ones(1, R),
+        entropy_coef=0.01,
+    )
+    tracker = TensorMemoryTracker()
+    tracker.track(h, w, y, spec.anchor_logprobs, spec.advantages, spec.response_mask)
+    base = tracker.current["cpu"]
+    with tracker:
+        fused_policy_loss_from_hidden(h, w, y, spec, chunk_size=n)
+    expected = fused_loss_bytes(n, V, D, c) + c * R * D + (c * V * D if c == 4 else 0)
+    assert 0 <= tracker.peak["cpu"] - base - expected < 64 * R

@@ -164,7 +164,7 @@ def test_training_continues_exactly(component):
         (model, opt), (twin, twin_opt) = _build(component), _build(component)
         offload = TrainerOffload([(model, opt)])
         for i in range(4):
-            offload.offload()  # the first one before any optimizer state exists
+            offload.offload()  # the first one before any step (the state as set up)
             offload.reload()
             _step(model, opt, i)
             _step(twin, twin_opt, i)

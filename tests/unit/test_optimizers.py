@@ -126,8 +126,8 @@ def test_build_optimizer_errors_name_the_problem():
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_state_bytes_formula_matches_the_real_optimizer(component):
     model = _model()
-    opt = build_optimizer(_node(component), model.parameters())
-    with _eager():
+    with _eager():  # build_optimizer creates the state with one (zero) step
+        opt = build_optimizer(_node(component), model.parameters())
         _step(model, opt)
     spec, minimal = optimizer_spec(_node(component))
     numels = [p.numel() for p in model.parameters()]

@@ -268,15 +268,10 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k[0].shape[0]
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k, v [B, H_kv, S, hd]`` at ``[start, start + S)``; return keys/values
-        ``[B, H_kv, start + S, hd]`` (cached + new)."""
-        end = start + k.shape[2]
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers ``[B, H_kv, max_len, hd]`` of layer ``i``: what its block
+        reads and writes (:func:`cache_kv`)."""
+        return self.k[i], self.v[i]
 
     def keep(self, rows: torch.Tensor | Sequence[int]) -> KVCache:
         """Keep only ``rows`` (Long[k], indices into the current batch), in that order; returns self.
@@ -307,23 +302,23 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | PackedLayout | None,
-        kv_cache: KVCache | None,
-        layer: int,
+        kv: tuple[torch.Tensor, torch.Tensor] | None,
         start: int,
     ) -> torch.Tensor:
         """x [B·S, D] (rows are tokens) -> [B·S, D]; ``cos/sin [B, 1, S, hd]``
         (:func:`_rope_tables`, which also give B and S); ``mask`` [B, 1, S, S_kv] in x's dtype, 0
         where a query may attend and -inf elsewhere (:func:`attention_mask_4d` made additive,
         once per forward), or None (causal). With a :class:`PackedLayout` as ``mask``, x is a
-        packed stream [N, D] and ``cos/sin`` are [N, 1, hd] (see :meth:`_packed`)."""
+        packed stream [N, D] and ``cos/sin`` are [N, 1, hd] (see :meth:`_packed`). ``kv``: this
+        layer's cache buffers (:meth:`KVCache.layer`) with ``start`` positions cached, or None."""
         if isinstance(mask, PackedLayout):
             return self._packed(x, cos, sin, mask)
         B, S = cos.shape[0], cos.shape[2]
         q, k, v = self._qkv(x, B, S)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, hd]
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer, k, v, start)
+        if kv is not None:
+            k, v = cache_kv(kv, k, v, start)
         if mask is None:
             # no padding: plain causal attention (flash kernels handle GQA natively); with a cache
             # only reached for a first chunk (keys == queries) or one new token (sees all keys);
@@ -352,6 +347,17 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
+
+
+def cache_kv(
+    kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``k, v [B, H_kv, S, hd]`` into the buffers ``kv`` ``[B, H_kv, max_len, hd]`` at
+    ``[start, start + S)``; return keys/values ``[B, H_kv, start + S, hd]`` (cached + new)."""
+    end = start + k.shape[2]
+    kv[0][:, :, start:end] = k
+    kv[1][:, :, start:end] = v
+    return kv[0][:, :, :end], kv[1][:, :, :end]
 
 
 def repeats_kv_for_mask(q: torch.Tensor) -> bool:
@@ -396,9 +402,13 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    """One decoder block. It holds no per-layer Python state (no layer index): its forward reads
+    only tensors and the attributes every block shares, so that ``compile: true`` traces one graph
+    for all the blocks of a model (torch.compile specialises on int attributes of a module and
+    would compile, and cache, one graph per block)."""
+
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.layer = layer
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -410,12 +420,12 @@ class TransformerBlock(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | PackedLayout | None,
-        kv_cache: KVCache | None,
+        kv: tuple[torch.Tensor, torch.Tensor] | None,
         start: int,
     ) -> torch.Tensor:
         """x [B·S, D] (or a packed stream [N, D]) -> the same shape (see
-        :meth:`Attention.forward`)."""
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, kv_cache, self.layer, start)
+        :meth:`Attention.forward`; ``kv``: this block's :meth:`KVCache.layer` or None)."""
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, kv, start)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -452,7 +462,7 @@ class _Decoder(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
@@ -503,8 +513,8 @@ class _Decoder(nn.Module):
         mask = attention_mask_4d(attention_mask, start, S, tokens.device)
         if mask is not None:  # the additive form SDPA would otherwise build in every block
             mask = torch.zeros_like(mask, dtype=h.dtype).masked_fill_(~mask, float("-inf"))
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask, kv_cache, start)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask, None if kv_cache is None else kv_cache.layer(i), start)
         if kv_cache is not None:
             kv_cache.length = start + S
         return self.norm(h).view(B, S, -1)

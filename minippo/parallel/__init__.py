@@ -15,6 +15,7 @@ Public names:
     exported_step(path) -> the step of a complete export at path, or None
     apply_activation_checkpointing(model) -> model   (per decoder block; before shard_model)
     compile_blocks(model) -> model   (torch.compile per decoder block; before shard_model)
+    compilation_count() -> {"graphs", "frames", "eager_frames"}   (torch.compile so far, process)
     union_over_ranks(values, device) -> sorted list   (every rank's ints, e.g. weight versions)
     max_over_ranks(values, device) -> list            (element-wise max of every rank's ints)
     build_mesh(sharding, world_size=None, local_world_size=None) -> DeviceMesh   (parallel.sharding:
@@ -29,7 +30,7 @@ Public names:
 """
 
 from minippo.parallel.activation_checkpointing import apply_activation_checkpointing
-from minippo.parallel.compile import compile_blocks
+from minippo.parallel.compile import compilation_count, compile_blocks
 from minippo.parallel.distributed import (
     DistInfo,
     destroy_distributed,
@@ -60,6 +61,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "assert_not_meta",
     "build_mesh",
+    "compilation_count",
     "compile_blocks",
     "destroy_distributed",
     "export_hf",

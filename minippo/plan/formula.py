@@ -135,7 +135,7 @@ def _block_shapes(args: Any) -> list[tuple[int, ...]]:
     from minippo.models.model import TransformerBlock
 
     with torch.device("meta"):
-        block = TransformerBlock(args, 0)
+        block = TransformerBlock(args)
     return [tuple(p.shape) for p in block.parameters()]
 
 

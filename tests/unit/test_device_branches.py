@@ -112,3 +112,101 @@ def test_a_torch_engine_on_cuda_takes_its_ranks_gpu(monkeypatch):
     assert engine_device("cpu") == torch.device("cpu")
     monkeypatch.delenv("LOCAL_RANK")
     assert engine_device("cuda") == torch.device("cuda", 0)
+
+
+@pytest.fixture
+def pinning(monkeypatch):
+    """CUDA present, as the host-copy code sees it, with a CPU stand-in for pinned memory (CPU
+    torch cannot pin: ``pin_memory=True`` needs a CUDA driver): every ``torch.empty`` /
+    ``empty_like`` records its ``pin_memory`` and allocates pageable memory; the CUDA
+    synchronisations and cache releases are recorded. Returns (pins, cuda calls)."""
+    pins: list[bool] = []
+    calls: list[str] = []
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def recorded(alloc):
+        def stand_in(*args, pin_memory=False, **kwargs):
+            pins.append(pin_memory)
+            return alloc(*args, **kwargs)
+
+        return stand_in
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "empty", recorded(empty))
+    monkeypatch.setattr(torch, "empty_like", recorded(empty_like))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    return pins, calls
+
+
+def test_weight_snapshots_are_pinned_on_the_host_of_a_gpu_machine(pinning):
+    """alloc_like (the old-actor / published-weights snapshots): host buffers are pinned when CUDA
+    is present, so that the copies from the GPU are asynchronous; buffers on another device are
+    not (only host memory is pinned); shapes and dtypes as asked either way."""
+    from minippo.parallel.weight_swap import alloc_like
+
+    pins, _ = pinning
+    like = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.bfloat16)]
+    out = alloc_like(like, dtype=None, device=None)  # each on its own device: the host
+    assert pins == [True, True]
+    assert [(t.shape, t.dtype) for t in out] == [(t.shape, t.dtype) for t in like]
+    out = alloc_like(like, dtype=torch.float16, device=torch.device("meta"))
+    assert pins[2:] == [False, False] and all(t.dtype == torch.float16 for t in out)
+
+
+def test_trainer_offload_pins_its_host_copies_on_a_gpu_machine(pinning):
+    """TrainerOffload.offload: every host copy (parameters, gradients, optimizer states) is
+    pinned when CUDA is present, then the copies are waited for and the freed device blocks
+    released; reload copies back unpinned (to the device) and waits. The values come back bit
+    for bit through the pinned-path code (the pinning itself needs a GPU)."""
+    from minippo.parallel.offload import TrainerOffload
+
+    pins, calls = pinning
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # weight and bias: the parameter, its gradient and Adam's step, exp_avg and exp_avg_sq
+    moves = 2 * (2 + 3)
+    offload = TrainerOffload([(model, opt)])
+    pins.clear()  # the model's own allocations
+    offload.offload()
+    assert pins == [True] * moves
+    # the device blocks are released once, after the asynchronous copies were waited for
+    assert calls[-1] == "empty_cache" and set(calls[:-1]) == {"synchronize"}
+    pins.clear()
+    calls.clear()
+    offload.reload()
+    assert pins == [False] * moves and calls and set(calls) == {"synchronize"}
+    for n, p in model.named_parameters():
+        assert torch.equal(p, want[n]) and p.grad is not None
+
+
+def test_the_trainer_allocator_cap_beside_an_engine_on_its_gpu(monkeypatch):
+    """cap_trainer_memory: with SGLang on the trainer's GPU in overlap mode, the CUDA allocator
+    of that device is capped at the planned trainer's share of the GPU's memory (read from the
+    device); on a CPU, or in alternate mode, nothing is capped."""
+    from minippo.config import load_config
+    from minippo.plan import GiB, cap_trainer_memory, trainer_memory_fraction
+
+    gpu = 80 * GiB
+    capped = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": gpu})()
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, d: capped.append((f, d))
+    )
+    model = ["checkpoint_path=null", "model={_component_: minippo.models.qwen3_0_6b}"]
+    share = ["rollout.share_gpu_with_engine=true"]
+    cfg = load_config("qwen3_0_6b_gsm8k_1gpu", [*model, *share, "rollout.mode=overlap"])
+    cap_trainer_memory(cfg, "cuda:1")
+    assert capped == [(trainer_memory_fraction(cfg, gpu_mem_bytes=gpu), torch.device("cuda", 1))]
+    assert 0 < capped[0][0] <= 1 - cfg.engine.mem_fraction_static
+    cap_trainer_memory(cfg, "cpu")
+    alternate = load_config("qwen3_0_6b_gsm8k_1gpu", [*model, *share, "rollout.mode=alternate"])
+    cap_trainer_memory(alternate, "cuda:1")
+    assert len(capped) == 1

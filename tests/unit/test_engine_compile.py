@@ -8,6 +8,8 @@ max |compiled engine logprob - teacher-forced trainer logprob| in fp32.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch._dynamo.utils
@@ -16,6 +18,8 @@ from minippo.engine import GenerateRequest, SamplingParams
 from minippo.engine._cpu_kernels import onednn_linear_available
 from minippo.engine.sampling import sample_next, sample_unfiltered
 from minippo.engine.torch_engine import TorchEngine
+from minippo.models import Transformer, init_weights
+from minippo.parallel import compilation_count
 from tests.engine_suite import (
     EngineHarness,
     EngineProtocolSuite,
@@ -138,3 +142,34 @@ def test_compiled_sampler_draws_what_sample_next_draws():
         tok, lp = compiled(logits, temperature, u)
         assert torch.equal(tok, want_tok)
         assert (lp - want_lp).abs().max() <= 1e-5
+
+
+def test_a_deep_model_compiles_one_decode_graph_per_variant():
+    """The decode step is one compiled frame over all the layers (``decode_logits`` inlines the
+    blocks; each reads its own cache buffers), so a 12-layer model, more layers than the
+    recompile limit of 8, compiles one graph per variant (padding mask or none) and the sampler
+    at most once, not one per layer; waves of other batch sizes, prompt and response lengths
+    compile nothing more, and no frame falls back to eager."""
+    args = dataclasses.replace(ARGS, n_layers=12)
+    model = init_weights(Transformer(args), seed=0, std=0.1)
+
+    def wave(rows: int, prompt: int, new: int, padded: bool = True) -> list[GenerateRequest]:
+        return [
+            GenerateRequest(
+                [1 + (7 * i + j) % 60 for j in range(prompt + (i % 3 if padded else 0))],
+                SamplingParams(max_new_tokens=new + 2 * i, seed=i),
+                f"w{rows}-{i}",
+            )
+            for i in range(rows)
+        ]
+
+    with publish_model(TorchEngine(args, in_process=True, compile=True), model) as eng:
+        start = compilation_count()
+        for reqs in (wave(4, 3, 6), wave(4, 3, 6, padded=False)):
+            eng.generate(reqs)
+        first = compilation_count()
+        for reqs in (wave(6, 5, 9), wave(3, 2, 12), wave(5, 4, 4, padded=False)):
+            eng.generate(reqs)
+        assert compilation_count() == first
+    assert 2 <= first["graphs"] - start["graphs"] <= 3  # 2 decode variants (+ the sampler)
+    assert first["eager_frames"] == start["eager_frames"]

@@ -278,12 +278,15 @@ def test_the_model_through_the_varlen_path_equals_the_cpu_path(monkeypatch):
     assert (forced - cpu).abs().max() <= bound(model.args, torch.float32, scale)
 
 
-def test_masked_attention_with_repeated_heads_equals_native_gqa():
+@pytest.mark.parametrize("H, Hkv", [(4, 2), (8, 2)])
+def test_masked_attention_with_repeated_heads_equals_native_gqa(H, Hkv):
     """The padded path's GPU branch (key/value heads repeated for the masked fused kernels),
     forced on CPU tensors, against the CPU's native GQA and the formula: head h reads key/value
-    head h // (H / H_kv)."""
+    head h // (H / H_kv). Each head has its own scale and each key/value head its own offset,
+    so heads repeated in another order (``repeat`` for ``repeat_interleave``: head h reading
+    h % H_kv) fail; 8 over 2 (Qwen3's 4 query heads per key/value head) as well as 2 per head."""
     g = torch.Generator().manual_seed(2)
-    B, H, Hkv, S, hd = 2, 4, 2, 7, 8
+    B, S, hd = 2, 7, 8
     head_scale = torch.arange(1, H + 1, dtype=torch.float32)[None, :, None, None]
     q = torch.randn(B, H, S, hd, generator=g) * head_scale
     k = torch.randn(B, Hkv, S, hd, generator=g) * head_scale[:, :Hkv]

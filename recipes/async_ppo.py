@@ -92,7 +92,7 @@ class AsyncPPORecipe:
         validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), "RANK" in os.environ)
         preflight.check_inputs(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.cfg = cfg
-        self.dist = parallel.init_distributed()
+        self.dist = parallel.init_distributed(cfg=cfg)  # parallel.timeout_s, deterministic
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.device, self.is_main = self.dist.device, self.dist.is_main
         # parallel.sharding: FSDP over every rank, or HSDP (shards in a node, replicas across nodes)

@@ -180,7 +180,7 @@ class EvalRecipe:
         validate_config(cfg, world, "RANK" in os.environ)
         preflight.check_inputs(cfg, world)
         self.cfg = cfg
-        self.dist = parallel.init_distributed()
+        self.dist = parallel.init_distributed(cfg=cfg)  # parallel.timeout_s, deterministic
         self.rank, self.device, self.is_main = self.dist.rank, self.dist.device, self.dist.is_main
         if self.device.type == "cpu":  # an in-process TorchEngine generates with these threads
             ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

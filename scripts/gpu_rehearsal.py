@@ -113,6 +113,7 @@ TINY_THRESHOLD = 0.8
 # per handle and stream on Hopper, shared with cuBLASLt) in its allocator for the process's
 # life, which empty_cache() cannot release; two such workspaces. The weights alone are 1.1 GiB.
 SLEEP_LEFTOVER_BYTES = 64 * MIB
+COMPILE_CACHE = 8  # Dynamo's recompile limit: graphs one compiled function may hold
 # the tensor fields of the policy loss's spec (minippo.models.FusedLossSpec)
 LOSS_INPUTS = ("anchor_logprobs", "advantages", "response_mask", "weights", "keep_mask",
                "global_tokens", "global_seqs", "ref_logprobs")  # fmt: skip
@@ -492,6 +493,8 @@ def recipe_worker(spec_path: Path) -> None:
     probe.install(namespace["AsyncPPORecipe"])
     import minippo.parallel as parallel
 
+    compiled_before = parallel.compilation_count()
+
     probe._wrap(parallel, "init_distributed", functools.partial(_nccl_bytes, probe=probe))
     code = 0
     t0 = time.perf_counter()
@@ -502,6 +505,8 @@ def recipe_worker(spec_path: Path) -> None:
     finally:
         probe.uninstall()
     probe.info["recipe_s"] = time.perf_counter() - t0
+    after = parallel.compilation_count()  # what the run compiled (torch.compile, this process)
+    probe.info["compilations"] = {k: after[k] - compiled_before[k] for k in after}
     if int(os.environ.get("RANK", "0")) == 0:
         records = [probe.records[s] for s in sorted(probe.records)]
         probe.info["loss_inputs"] = probe.loss_inputs
@@ -723,6 +728,7 @@ def recipe_checks(
     steps: int,
     cuda: bool,
     loss_inputs: dict[str, Any] | None = None,
+    compilations: dict[str, int] | None = None,
 ) -> dict[str, bool | None]:
     """What the recipe check requires of a run. On CUDA also: after every ``sleep()`` the engine
     process holds at most SLEEP_LEFTOVER_BYTES; every ``offload()`` freed at least the bytes it
@@ -744,9 +750,22 @@ def recipe_checks(
         "sleep_frees": None,
         "offload_frees": None,
         "engine_on_gpu": None,
+        # compile=true: at most the compile cache's 8 graphs (2 per grad mode and attention path
+        # here), and no block left running eager after the recompile limit
+        "compiled_blocks": None,
+        # after each empty_cache() the trainer keeps at most the plan's allocator slack cached
+        "wake_slack_within_margin": None,
     }
     if not cuda:
         return checks
+    from minippo.plan.formula import ALLOCATOR_SLACK_BYTES
+
+    c = compilations or {}
+    checks["compiled_blocks"] = (
+        c.get("graphs", 0) > 0 and c["graphs"] <= COMPILE_CACHE and c.get("eager_frames") == 0
+    )
+    slack = summary["memory"]["wake"]["cached_over_live"]
+    checks["wake_slack_within_margin"] = slack is not None and slack <= ALLOCATOR_SLACK_BYTES
     gens = [s["generation"] for s in step_list]
     left = [(g["engine_allocated_after_sleep"], g["engine_reserved_after_sleep"]) for g in gens]
     checks["sleep_frees"] = bool(left) and all(
@@ -767,7 +786,9 @@ def run_recipe_check(dry_run: bool, work: Path, steps: int, plan_run: Any, timeo
     out_dir = work / "recipe_run"
     spec_path, probe_out = work / "recipe_spec.json", work / "recipe_probe.json"
     overrides = [
-        *(RECIPE_DRY_OVERRIDES if dry_run else []),
+        # on the GPU each decoder block compiled (compile_blocks): one graph per grad mode and
+        # attention path whatever the depth, none left eager (docs/configs.md, `compile`)
+        *(RECIPE_DRY_OVERRIDES if dry_run else ["compile=true"]),
         f"total_steps={steps}",
         f"output_dir={out_dir}",
         "progress_bar=false",
@@ -804,6 +825,7 @@ def run_recipe_check(dry_run: bool, work: Path, steps: int, plan_run: Any, timeo
         steps=steps,
         cuda=not dry_run,
         loss_inputs=probe["info"].get("loss_inputs"),
+        compilations=probe["info"].get("compilations"),
     )
     ok = all(v for v in checks.values() if v is not None)
     return {
@@ -825,6 +847,8 @@ def run_recipe_check(dry_run: bool, work: Path, steps: int, plan_run: Any, timeo
         "loss_inputs": probe["info"].get("loss_inputs"),
         # device bytes the process group took beyond the allocator (NCCL buffers); None on CPU
         "nccl_bytes": probe["info"].get("nccl_bytes"),
+        # torch.compile in the run: graphs, frames, frames left eager (minippo.parallel)
+        "compilations": probe["info"].get("compilations"),
         "steps": step_list,
         **summary,
         "plan": {k: (plan or {}).get(k) for k in PLAN_KEYS},
@@ -1300,6 +1324,11 @@ def _recipe_lines(r: dict[str, Any]) -> list[str]:
         f"  at wake     trainer {_gib(w['trainer_allocated'])} live, "
         f"{_gib(w['trainer_reserved'])} reserved after empty_cache (cached over live "
         f"{_gib(w['cached_over_live'])}); NCCL {_gib(r['nccl_bytes'])}"
+    )
+    c = r.get("compilations") or {}
+    lines.append(
+        f"  compile     {c.get('graphs', '-')} graphs, {c.get('frames', '-')} frames, "
+        f"{c.get('eager_frames', '-')} left eager"
     )
     changed = {k: v for k, v in (r["loss_inputs"] or {}).items() if v["changed_passes"]}
     lines.append(

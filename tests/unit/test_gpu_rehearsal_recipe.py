@@ -44,8 +44,10 @@ TIMING_KEYS = {
 }  # fmt: skip
 CHECK_KEYS = {
     "exit_ok", "loss_inputs_exact", "all_steps_logged", "finite_losses", "backend",
-    "sleep_frees", "offload_frees", "engine_on_gpu",
+    "sleep_frees", "offload_frees", "engine_on_gpu", "compiled_blocks", "wake_slack_within_margin",
 }  # fmt: skip
+CUDA_ONLY = ("sleep_frees", "offload_frees", "engine_on_gpu", "compiled_blocks",
+             "wake_slack_within_margin")  # fmt: skip
 # the tensor fields of the policy loss's spec the recipe fills (tis weights, no KL, no keep-mask
 # for this config's correction are left out where the correction does not make them)
 LOSS_INPUT_DTYPES = {"anchor_logprobs": "torch.float32", "advantages": "torch.float32",
@@ -98,7 +100,8 @@ def test_recipe_runs_the_gpu_schedule_and_records_every_phase(dry):
         entry = r["loss_inputs"][name]
         assert entry == {"built": dtype, "in_forward": dtype, "changed_passes": 0}, name
     assert r["nccl_bytes"] is None and set(r["memory"]["wake"].values()) == {None}  # CUDA only
-    for cuda_only in ("sleep_frees", "offload_frees", "engine_on_gpu"):
+    assert r["compilations"] == {"graphs": 0, "frames": 0, "eager_frames": 0}  # compile: false
+    for cuda_only in CUDA_ONLY:
         assert r["checks"][cuda_only] is None
     assert [s["step"] for s in r["steps"]] == [0, 1, 2]
     assert set(r["timing"]) == TIMING_KEYS and set(r["setup_publish"]) == PUBLISH_KEYS
@@ -115,12 +118,9 @@ def test_recipe_runs_the_gpu_schedule_and_records_every_phase(dry):
         # in the engine's dtype, bf16
         assert s["publish"]["bytes"] == 2 * p_actor
         assert 0 <= s["publish"]["wake_s"] <= s["publish"]["push_s"] <= s["publish"]["applied_s"]
-        # offload moves the actor's and critic's fp32 parameters and, once AdamW has stepped,
-        # exp_avg and exp_avg_sq (4 + 4 bytes) and a 4-byte step count per parameter tensor
-        if s["step"] == 0:
-            assert s["offload_bytes"] == 4 * (p_actor + p_critic)
-        else:
-            assert s["offload_bytes"] == 12 * (p_actor + p_critic) + 4 * (t_actor + t_critic)
+        # offload moves the actor's and critic's fp32 parameters, exp_avg and exp_avg_sq (4 + 4
+        # bytes) and a 4-byte step count per parameter tensor: AdamW's state exists from setup
+        assert s["offload_bytes"] == 12 * (p_actor + p_critic) + 4 * (t_actor + t_critic)
     assert r["setup_publish"]["bytes"] == 2 * p_actor
     assert r["steps"][-1]["checkpoint_s"] > 0  # the last step is always saved
     assert all(s["checkpoint_s"] is None for s in r["steps"][:-1])
@@ -205,12 +205,16 @@ def test_the_gpu_only_checks_and_the_plan_comparison(rehearsal):
     exact = {"built": "torch.float32", "in_forward": "torch.float32", "changed_passes": 0}
     inputs = {"anchor_logprobs": exact, "advantages": exact}
 
-    def checks(left_mib, freed_less, weights=1_100 * MIB):
+    compiled = {"graphs": 4, "frames": 4, "eager_frames": 0}
+
+    def checks(left_mib, freed_less, weights=1_100 * MIB, wake_slack_mib=None):
         steps = _cuda_steps(rehearsal, left_mib, freed_less)
+        if wake_slack_mib is not None:
+            steps[1]["publish"]["trainer_reserved_at_wake"] = (3_000 + wake_slack_mib) * MIB
         summary = rehearsal._recipe_summary(steps, PLAN)
         return rehearsal.recipe_checks(
             steps, {"bytes": weights}, summary, backend="nccl", returncode=0, steps=2, cuda=True,
-            loss_inputs=inputs,
+            loss_inputs=inputs, compilations=compiled,
         ), summary  # fmt: skip
 
     ok, summary = checks(left_mib=64, freed_less=0)
@@ -218,6 +222,13 @@ def test_the_gpu_only_checks_and_the_plan_comparison(rehearsal):
     assert not checks(left_mib=65, freed_less=0)[0]["sleep_frees"]  # above 64 MiB
     assert not checks(left_mib=32, freed_less=1)[0]["offload_frees"]  # one byte short
     assert not checks(left_mib=32, freed_less=0, weights=4_801 * MIB)[0]["engine_on_gpu"]
+    assert checks(left_mib=64, freed_less=0, wake_slack_mib=512)[0]["wake_slack_within_margin"]
+    assert not checks(left_mib=64, freed_less=0, wake_slack_mib=513)[0]["wake_slack_within_margin"]
+    compiled["eager_frames"] = 1  # a block left eager at the recompile limit
+    assert not checks(left_mib=64, freed_less=0)[0]["compiled_blocks"]
+    compiled.update(eager_frames=0, graphs=9)  # more graphs than the cache holds
+    assert not checks(left_mib=64, freed_less=0)[0]["compiled_blocks"]
+    compiled["graphs"] = 4
     inputs["anchor_logprobs"] = {**exact, "in_forward": "torch.bfloat16", "changed_passes": 3}
     assert not checks(left_mib=64, freed_less=0)[0]["loss_inputs_exact"]  # cast in forward
     gen, train = summary["plan_check"]["generation"], summary["plan_check"]["training"]

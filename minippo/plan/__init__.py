@@ -25,7 +25,6 @@ from minippo.plan.config import (
     engine_options,
     plan_from_config,
     plan_inputs_from_config,
-    rollout_mode,
 )
 from minippo.plan.formula import (
     ActivationBytes,
@@ -42,13 +41,9 @@ from minippo.plan.formula import (
     scoring_bytes,
     torch_engine_bytes,
 )
-from minippo.plan.gpu_sharing import (
-    cap_trainer_memory,
-    sglang_on_gpu,
-    shared_gpu_problems,
-    trainer_memory_fraction,
-)
+from minippo.plan.gpu_sharing import shared_gpu_problems, trainer_memory_fraction
 from minippo.plan.measured import MeasuredPeak, measure_from_config, measure_step
+from minippo.training.placement import cap_trainer_memory, rollout_mode, sglang_on_gpu
 
 __all__ = [
     "ActivationBytes",

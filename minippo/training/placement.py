@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from minippo.config import ConfigError
 
-ROLLOUT_MODES = ("overlap", "alternate")
+ROLLOUT_MODES = ("alternate", "overlap")  # as minippo.plan.formula.ROLLOUT_MODES
 
 __all__ = ["ROLLOUT_MODES", "cap_trainer_memory", "rollout_mode", "sglang_on_gpu"]
 

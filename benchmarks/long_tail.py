@@ -2,7 +2,7 @@
 with ``oversample`` 1.0 (every step waits for its slowest group) vs 1.25 and 1.5.
 
 The real TorchEngine (in-process, one torch thread, ``qwen3_tiny`` with random weights) is driven
-by the real AlternatingQueue, step by step as the recipe drives it: ``queue.publish(weights,
+by the real RolloutQueue in alternate mode, step by step as the recipe drives it: ``queue.publish(weights,
 version=step)``, then ``queue.get_batch(step)`` (the same weights each step; the versions go up by
 one per step).
 
@@ -55,7 +55,7 @@ from minippo.engine import GenerateRequest, SamplingParams, TorchEngine
 from minippo.engine.protocol import Completion
 from minippo.models import Transformer, init_weights, qwen3_tiny
 from minippo.parallel import full_tensor_buckets
-from minippo.training.alternating_queue import AlternatingQueue
+from minippo.training.rollout_queue import RolloutQueue
 
 try:
     from _common import machine, markdown_table
@@ -120,7 +120,7 @@ class LengthTableEngine:
         m = _REQUEST_ID.fullmatch(r.request_id)
         if m is None:
             raise ValueError(
-                f"request id {r.request_id!r} is not the AlternatingQueue's "
+                f"request id {r.request_id!r} is not the RolloutQueue's "
                 "g<index>-n<j>-a<restarts>-s<step>"
             )
         group, j, attempt = int(m[1]), int(m[2]), int(m[3])
@@ -183,13 +183,15 @@ def run(
     args = qwen3_tiny()
     in_flight = math.ceil(groups * oversample - 1e-9)
     engine = TorchEngine(args, in_process=True, max_batch_size=in_flight * samples, seed=seed)
-    queue = AlternatingQueue(
+    queue = RolloutQueue(
         LengthTableEngine(engine, lengths, args.vocab_size),
         prompts(args.vocab_size),
         groups_per_batch=groups,
         samples_per_prompt=samples,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=lengths.cap),
         max_staleness=1,
+        partial_rollout=True,
+        mode="alternate",
         oversample=oversample,
         seed=seed,
     )

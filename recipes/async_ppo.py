@@ -23,11 +23,9 @@ from minippo import models, parallel, rl
 from minippo.config import instantiate, torch_dtype
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
-from minippo.engine.torch_engine import TorchEngine, default_num_threads
-from minippo.plan import cap_trainer_memory, rollout_mode
+from minippo.engine.torch_engine import default_num_threads
 from minippo.rl.correction import build_correction
 from minippo.training import preflight
-from minippo.training.alternating_queue import AlternatingQueue
 from minippo.training.checkpoint import Checkpointer, RNGState
 from minippo.training.evaluation import evaluate
 from minippo.training.interrupt import StopOnSignal
@@ -36,6 +34,7 @@ from minippo.training.micro_batches import scored_in_forwards, update_plan
 from minippo.training.nan_guard import NonFiniteGuard, clip_and_step
 from minippo.training.optimizers import build_optimizer
 from minippo.training.output_dir import OutputDir
+from minippo.training.placement import cap_trainer_memory, rollout_mode
 from minippo.training.progress import ProgressBar
 from minippo.training.rank_balance import balance_over_ranks
 from minippo.training.rollout_queue import RolloutQueue
@@ -175,9 +174,7 @@ class AsyncPPORecipe:
         self.sampling = SamplingParams(
             r.temperature, r.top_p, r.top_k, r.max_new_tokens, stop_token_ids=self.stop_ids
         )
-        alternate = rollout_mode(cfg) == "alternate"
-        queue_kw = dict(oversample=float(r.get("oversample", 1.0)), sleep=True) if alternate else {}
-        self.queue = (AlternatingQueue if alternate else RolloutQueue)(
+        self.queue = RolloutQueue(  # rollout.mode: overlap (a producer thread) or alternate
             self.engine,
             PromptStream(self.dataset, seed=cfg.seed, rank=self.rank, world_size=self.world_size),
             groups_per_batch=r.groups_per_batch // self.world_size,
@@ -191,9 +188,10 @@ class AsyncPPORecipe:
             pad_id=self.tokenizer.pad_id,
             seed=cfg.seed * 1000 + self.rank,
             sync_every=self.sync_every,
-            **queue_kw,
+            mode=rollout_mode(cfg),
+            oversample=float(r.get("oversample", 1.0)),
         )
-        if alternate and isinstance(self.engine, TorchEngine) and self.is_main:
+        if self.is_main and self.queue.mode == "alternate" and self.engine.max_batch_size:
             groups = self.queue.in_flight  # over-provisioned groups per rank
             rows = groups * r.samples_per_prompt
             preflight.warn_if_oversample_waits(rows, groups, self.engine.max_batch_size)
@@ -276,7 +274,7 @@ class AsyncPPORecipe:
             self.published.take(self.actor, version)
         size, dtype = int(self.cfg.publish_bucket_mb * 2**20), self.engine.dtype
         buckets = parallel.full_tensor_buckets(self.actor, bucket_bytes=size, dtype=dtype)
-        if self.device.type == "cuda" and rollout_mode(self.cfg) == "alternate":
+        if self.device.type == "cuda" and self.queue.mode == "alternate":
             torch.cuda.empty_cache()  # the engine wakes into what the trainer leaves cached
         self.queue.publish(buckets, version=version)
         self.correction.on_weights_published(version, self.actor)

@@ -229,7 +229,7 @@ def _step_skeleton(step: int) -> dict[str, Any]:
 
 class PhaseProbe:
     """Watches the real recipe from outside: wrappers around the methods its train loop calls
-    (``AlternatingQueue.get_batch`` / ``publish``, ``TrainerOffload.offload``, ``TorchEngine``'s
+    (``RolloutQueue.get_batch`` / ``publish``, ``TrainerOffload.offload``, ``TorchEngine``'s
     ``sleep`` / ``wake``, the recipe's ``save_checkpoint``) record each phase's seconds and, on
     CUDA, the trainer's allocator peaks (reset at each phase boundary), the engine process's
     figures (``TorchEngine.stats()``) and the whole device's used bytes. It changes nothing the
@@ -292,19 +292,19 @@ class PhaseProbe:
         """Wrap the methods (class attributes: every instance the recipe builds sees them)."""
         from minippo.engine.torch_engine import TorchEngine
         from minippo.parallel import TrainerOffload
-        from minippo.training.alternating_queue import AlternatingQueue
+        from minippo.training.rollout_queue import RolloutQueue
 
         probe = self
 
         def get_batch(original):
-            def wrapped(queue, step):
+            def wrapped(queue, step, timeout=None):
                 probe._step = step
                 if "backend" not in probe.info:
                     import torch.distributed as dist
 
                     probe.info["backend"] = dist.get_backend() if dist.is_initialized() else None
                 probe._reset_peaks()  # generation: after offload(), until the engine sleeps
-                out = original(queue, step)
+                out = original(queue, step, timeout)
                 probe.record(step)["generation"].update(probe._peaks())
                 probe._reset_peaks()  # training: reload, no-grad passes, PPO updates
                 return out
@@ -415,8 +415,8 @@ class PhaseProbe:
 
         self._wrap(models, "fused_policy_loss", fused_policy_loss)
         self._wrap(model_module, "fused_policy_loss_from_hidden", from_hidden)
-        self._wrap(AlternatingQueue, "get_batch", get_batch)
-        self._wrap(AlternatingQueue, "publish", publish)
+        self._wrap(RolloutQueue, "get_batch", get_batch)
+        self._wrap(RolloutQueue, "publish", publish)
         self._wrap(TrainerOffload, "offload", offload)
         self._wrap(TorchEngine, "sleep", sleep)
         self._wrap(TorchEngine, "wake", wake)

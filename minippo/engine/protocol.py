@@ -280,6 +280,13 @@ class RolloutEngine(Protocol):
         """The engine's compute dtype (publish weights cast to it)."""
         ...
 
+    @property
+    def max_batch_size(self) -> int | None:
+        """Rows decoded together in one wave, each to its end, before waiting rows start
+        (TorchEngine); None: continuous batching (SGLang). Over-provisioned groups past the
+        first wave then start only after it, so they carry no partial tokens (the recipe warns)."""
+        ...
+
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Complete every request; block until done. Completions are in request order."""
         ...

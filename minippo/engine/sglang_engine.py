@@ -963,6 +963,11 @@ class SGLangEngine:
         """The engine's compute dtype (publish weights cast to it)."""
         return self._dtype
 
+    @property
+    def max_batch_size(self) -> None:
+        """None: continuous batching (a finished request's place is taken at once, no waves)."""
+        return None
+
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Complete every request (blocking; callable from a background thread).
 

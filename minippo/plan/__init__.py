@@ -26,7 +26,6 @@ from minippo.plan.config import (
     engine_options,
     plan_from_config,
     plan_inputs_from_config,
-    rollout_mode,
 )
 from minippo.plan.formula import (
     ActivationBytes,
@@ -45,13 +44,12 @@ from minippo.plan.formula import (
 )
 from minippo.plan.gpu_sharing import (
     ReservedLive,
-    cap_trainer_memory,
     reserved_vs_live,
-    sglang_on_gpu,
     shared_gpu_problems,
     trainer_memory_fraction,
 )
 from minippo.plan.measured import MeasuredPeak, measure_from_config, measure_step
+from minippo.training.placement import cap_trainer_memory, rollout_mode, sglang_on_gpu
 
 __all__ = [
     "ActivationBytes",

@@ -30,7 +30,6 @@ from omegaconf import DictConfig, OmegaConf
 from minippo.config import ConfigError, dtype_bytes, locate
 from minippo.models.logprobs import DEFAULT_CHUNK_SIZE
 from minippo.plan.formula import (
-    ROLLOUT_MODES,
     CorrectionCost,
     GiB,
     MemoryPlan,
@@ -42,6 +41,7 @@ from minippo.plan.formula import (
 from minippo.rl.advantages import needs_critic
 from minippo.rl.correction.base import WeightCopies
 from minippo.training.optimizers import optimizer_spec
+from minippo.training.placement import rollout_mode, sglang_on_gpu
 
 __all__ = [
     "DEFAULT_GPU_MEM_GIB",
@@ -311,17 +311,9 @@ def _rows_in_flight(cfg: DictConfig, ranks: int) -> int:
     """Sequences one rank's engine generates at once: ``groups_per_batch / ranks`` groups (in
     alternate mode ``ceil(... x rollout.oversample)``) of ``samples_per_prompt`` each."""
     groups = int(_select(cfg, "rollout.groups_per_batch")) // ranks
-    if rollout_mode(cfg) == "alternate":  # as AlternatingQueue.in_flight
+    if rollout_mode(cfg) == "alternate":  # as RolloutQueue.in_flight
         groups = math.ceil(groups * float(_select(cfg, "rollout.oversample", 1.0)) - 1e-9)
     return max(1, groups * int(_select(cfg, "rollout.samples_per_prompt")))
-
-
-def rollout_mode(cfg: DictConfig) -> str:
-    """``rollout.mode``: "alternate" or "overlap" (the recipe's default when the key is absent)."""
-    mode = str(_select(cfg, "rollout.mode", "overlap"))
-    if mode not in ROLLOUT_MODES:
-        raise ConfigError(f"rollout.mode={mode!r} must be one of {', '.join(ROLLOUT_MODES)}")
-    return mode
 
 
 def plan_inputs_from_config(
@@ -428,14 +420,6 @@ def plan_inputs_from_config(
         engine_weights_host_copy=bool(engine.get("weights_cpu_backup", False)),
         gpu_mem_bytes=gpu,
     )
-
-
-def sglang_on_gpu(cfg: DictConfig) -> bool:
-    """Whether ``engine._component_`` names the SGLang backend on a GPU (``engine.device`` other
-    than "cpu": an SGLang engine on the CPU shares no GPU with the trainer)."""
-    component = OmegaConf.select(cfg, "engine._component_", default=None)
-    on_cpu = OmegaConf.select(cfg, "engine.device", default="cuda") == "cpu"
-    return isinstance(component, str) and component.endswith("SGLangEngine") and not on_cpu
 
 
 def plan_from_config(

@@ -12,7 +12,7 @@ its activations and sampling), and any error in its scheduler kills the rank
                              rollout.share_gpu_with_engine=true, and then unless the plan's formula
                              fits the trainer beside the engine's mem_fraction_static; the recipe
                              caps the trainer's allocator at :func:`trainer_memory_fraction`
-                             (:func:`cap_trainer_memory`)
+                             (:func:`minippo.training.placement.cap_trainer_memory`)
 
 Config only: the model is planned from its shape (config.json or a size builder), nothing is
 built or allocated. :func:`reserved_vs_live` (for a run that has a GPU) reports what the
@@ -32,14 +32,12 @@ from minippo.plan.config import (
     DEFAULT_GPU_MEM_GIB,
     engine_options,
     plan_from_config,
-    rollout_mode,
-    sglang_on_gpu,
 )
 from minippo.plan.formula import ALLOCATOR_SLACK_BYTES, GiB
+from minippo.training.placement import rollout_mode, sglang_on_gpu
 
 __all__ = [
     "ReservedLive",
-    "cap_trainer_memory",
     "reserved_vs_live",
     "shared_gpu_problems",
     "trainer_memory_fraction",
@@ -145,18 +143,6 @@ def trainer_memory_fraction(
     if problem is not None:
         raise ConfigError(problem)
     return trainer / gpu_mem_bytes
-
-
-def cap_trainer_memory(cfg: DictConfig, device: Any, *, world_size: int = 1) -> None:
-    """With an SGLang engine on the trainer's GPU ``device`` in ``rollout.mode=overlap`` (allowed
-    only with ``rollout.share_gpu_with_engine``), cap this process's CUDA allocator at
-    :func:`trainer_memory_fraction`; otherwise (another device, engine or mode) do nothing."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda" and sglang_on_gpu(cfg) and rollout_mode(cfg) == "overlap":
-        fraction = trainer_memory_fraction(cfg, world_size=world_size)
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
 class ReservedLive(NamedTuple):

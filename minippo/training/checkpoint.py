@@ -539,7 +539,7 @@ class UnsafeCheckpointError(ValueError):
     or call code): the message names the file and the type."""
 
 
-def checkpoint_state_types() -> list[type]:
+def checkpoint_state_types() -> list[type | tuple[type, str]]:
     """The classes (besides tensors and Python's containers and scalars) that the per-rank
     ``extra_rank*.pt`` of a minippo checkpoint may hold: the rollout queues' batches, samples and
     carried groups, with the prompt items and completions inside them. :func:`load_extra_state`
@@ -549,10 +549,14 @@ def checkpoint_state_types() -> list[type]:
     from minippo.data.prompts import PromptExample
     from minippo.engine.protocol import Completion
     from minippo.rl.types import RolloutBatch
-    from minippo.training.alternating_queue import _Group, _Sample
-    from minippo.training.rollout_queue import QueueBatch, RolloutSample
+    from minippo.training.rollout_queue import QueueBatch, RolloutSample, _Group, _Sample
 
-    return [QueueBatch, RolloutSample, RolloutBatch, Completion, PromptExample, _Group, _Sample]
+    # the carried groups of an alternate-mode queue, under their module's earlier name too
+    old = "minippo.training.alternating_queue"
+    return [
+        *(QueueBatch, RolloutSample, RolloutBatch, Completion, PromptExample, _Group, _Sample),
+        *((_Group, f"{old}._Group"), (_Sample, f"{old}._Sample")),
+    ]
 
 
 def load_extra_state(file: Path) -> dict[str, Any]:

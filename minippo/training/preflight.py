@@ -234,8 +234,8 @@ def async_ppo_shape_problems(cfg: DictConfig, world_size: int, distributed: bool
     from omegaconf import OmegaConf
 
     from minippo.config import canonical_dtype
-    from minippo.plan import rollout_mode
     from minippo.rl import needs_critic
+    from minippo.training.placement import rollout_mode
 
     problems: list[str] = []
     r, ppo, est = cfg.rollout, cfg.ppo, cfg.advantage_estimator

@@ -1,4 +1,5 @@
-"""The rollout queue: generation in a background thread, bounded staleness, typed batches.
+"""The rollout queue: prompt groups in, typed batches of bounded staleness out, on one of two
+schedules (``rollout.mode``).
 
 Version convention (the one every part of minippo uses):
     * the weights the run starts with are version 0;
@@ -12,26 +13,38 @@ Version convention (the one every part of minippo uses):
       publishes: step ``s`` trains on data of version ``s // k`` or older, and every bound above
       reads ``s // k`` for ``s`` (the staleness of a token is ``s // k - v``, in versions);
     * ``max_staleness = 0`` is the synchronous loop: batch ``s`` is generated entirely by the
-      weights of version ``s``, after they are published (same code path, no overlap).
+      weights of version ``s``, after they are published.
 
-Capacity control (AReaL-style, nothing is generated and then thrown away): batch ``s`` is assigned
-its prompts and its generation is started only once the published version is at least
-``s - max_staleness``. Versions never decrease, so every token of batch ``s`` then has
-``v >= s - max_staleness``. Batches are delivered in order (batch ``s`` is always the prompts
-``s * G ... s * G + G - 1``), so the data order is independent of timing, which makes runs
-reproducible and resumable. The time the producer spends blocked by this bound is counted
-(``rollout/capacity_wait_s``).
+Both schedules take prompts in order as groups (one prompt, ``samples_per_prompt`` samples, each
+seeded ``seed * 1_000_003 + global sample index``), build the requests of the unfinished samples,
+merge each completion into its sample (scoring it once finished) and collate the groups of a
+batch in submission order. They differ in when generation runs:
 
-Partial rollouts (``partial_rollout=True``): ``publish`` pauses the engine, loads the new weights
-and resumes it, so in-flight responses continue under the new weights and carry several versions
-(each token its own). With ``partial_rollout=False``, ``publish`` first waits until the running
-``generate`` call finishes (no response spans two versions), then publishes.
+``overlap``: a producer thread generates ahead while the trainer trains. Capacity control
+(AReaL-style, nothing is generated and then thrown away): batch ``s`` is assigned its prompts
+(always ``s * G ... s * G + G - 1``) and started only once the published version is at least
+``s - max_staleness``; versions never decrease, so every token of it then has
+``v >= s - max_staleness``, and the data order does not depend on timing. Blocked time is counted
+(``rollout/capacity_wait_s``). With ``partial_rollout=True``, ``publish`` pauses the engine,
+loads the weights and resumes it, so in-flight responses continue under the new weights and carry
+several versions (each token its own); without, ``publish`` first waits until the running
+``generate`` call finishes.
+
+``alternate`` (a GPU shared by engine and trainer): nothing generates while the trainer trains.
+``publish`` wakes the engine and pushes the weights; ``get_batch`` streams the requests of up to
+``ceil(G × oversample)`` groups until G are complete, stops the others where they are, sleeps the
+engine and returns the first G to complete. The stopped groups are carried into the next step
+with their tokens and continue under the next weights, as requests whose prompt is the old one
+plus the tokens so far (partial rollouts, slime/miles style). A carried sample whose oldest token
+would break the bound restarts from its prompt (``rollout/restarted``); with
+``partial_rollout=False`` every unfinished carried sample does. With TorchEngine, whose stops are
+exact and whose requests are seeded, a run is reproducible and resumes exactly.
 
 Usage (the recipe's whole interface)::
 
     queue = RolloutQueue(engine, prompts, groups_per_batch=8, samples_per_prompt=4,
                          sampling=SamplingParams(temperature=1.0, max_new_tokens=256),
-                         max_staleness=1, reward_fn=my_reward)
+                         max_staleness=1, reward_fn=my_reward, mode="overlap")
     queue.start()
     for step in range(num_steps):
         rollouts = queue.get_batch(step)        # QueueBatch: .batch (RolloutBatch), .samples
@@ -42,6 +55,7 @@ Usage (the recipe's whole interface)::
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 import time
@@ -58,9 +72,11 @@ from minippo.engine.protocol import (
     RolloutEngine,
     SamplingParams,
     WeightBucket,
+    settled_finish_reason,
 )
 from minippo.rl.correction import staleness_metrics
 from minippo.rl.types import RolloutBatch
+from minippo.training.placement import ROLLOUT_MODES
 
 # seeds of individual requests: base * _SEED_STRIDE + global sample index (fits in int63)
 _SEED_STRIDE = 1_000_003
@@ -197,101 +213,62 @@ def collate_completions(
     )
 
 
-class QueueSettings:
-    """What both rollout queues take (``RolloutQueue``'s Args), checked once."""
+@dataclass
+class _Sample:
+    """One sample of a group: nothing yet, a partial completion, or a finished one."""
 
-    def __init__(
-        self,
-        engine: RolloutEngine,
-        prompts: Iterable[Any],
-        *,
-        groups_per_batch: int,
-        samples_per_prompt: int,
-        sampling: SamplingParams | None,
-        max_staleness: int,
-        sync_every: int,
-        partial_rollout: bool,
-        reward_fn: Callable[[RolloutSample], float] | None,
-        reward_name: str | None,
-        decode: Callable[[list[int]], str] | None,
-        pad_id: int,
-        seed: int,
-        initial_version: int | None,
-    ) -> None:
-        if not isinstance(groups_per_batch, int) or groups_per_batch < 1:
-            raise ValueError(f"groups_per_batch must be an integer >= 1, got {groups_per_batch!r}")
-        if not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
-            raise ValueError(
-                f"samples_per_prompt must be an integer >= 1, got {samples_per_prompt!r}"
-            )
-        if not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ValueError(
-                f"max_staleness must be an integer >= 0 (0 = synchronous), got {max_staleness!r}"
-            )
-        self.engine = engine
-        self.prompts = prompts
-        self.groups_per_batch = groups_per_batch
-        self.samples_per_prompt = samples_per_prompt
-        self.sampling = (sampling or SamplingParams()).validate()
-        self.max_staleness = max_staleness
-        self.sync_every = _check_sync_every(sync_every)
-        self.partial_rollout = bool(partial_rollout)
-        self.reward_fn = reward_fn
-        self.reward_name = reward_name or getattr(reward_fn, "__qualname__", repr(reward_fn))
-        self.decode = decode
-        self.pad_id = pad_id
-        self.seed = int(seed)
-        self._initial_version = initial_version
+    seed: int
+    done: Completion | None = None  # the tokens so far (finish_reason "abort" while partial)
+    reward: float | None = None
+    attempt: int = 0  # restarts from the prompt
 
-    MODE: str  # rollout.mode of the subclass, saved with its state
+    @property
+    def finished(self) -> bool:
+        return self.done is not None and self.done.finish_reason in ("stop", "length")
 
-    def _oldest_allowed(self, step: int) -> int:
-        """The oldest version a token of the batch of ``step`` may have."""
-        return step // self.sync_every - self.max_staleness
-
-    def _settings_state(self) -> dict[str, Any]:
-        """The settings a saved queue state only makes sense with (part of ``state_dict``)."""
-        return {
-            "mode": self.MODE,
-            "sync_every": self.sync_every,
-            "samples_per_prompt": self.samples_per_prompt,
-        }
-
-    def _check_settings(self, state: Mapping[str, Any]) -> None:
-        """Refuse a saved state whose settings differ from this queue's: versions count publishes
-        (``rollout.sync_every``), and carried groups hold ``samples_per_prompt`` samples."""
-        saved_mode = state.get("mode", "overlap")
-        if saved_mode != self.MODE:
-            raise ValueError(
-                f"the checkpoint's rollout queue was saved with rollout.mode={saved_mode}; resume "
-                f"with the same rollout.mode (this run has {self.MODE})"
-            )
-        for key, ours in self._settings_state().items():
-            saved = state.get(key, ours)  # checkpoints written before the key was saved
-            if key != "mode" and saved != ours:
-                raise ValueError(
-                    f"the checkpoint was written with rollout.{key}={saved}, this run has "
-                    f"rollout.{key}={ours}: resume with rollout.{key}={saved}"
-                )
+    @property
+    def oldest_version(self) -> int | None:
+        return min(self.done.versions) if self.done is not None and self.done.versions else None
 
 
-class RolloutQueue(QueueSettings):
-    """Feeds prompt groups to an engine from a background thread; hands out complete batches.
+@dataclass
+class _Group:
+    """One prompt and its samples, from submission until it is trained on."""
+
+    index: int  # global submission order since the start of training
+    prompt: Any
+    prompt_ids: list[int]
+    samples: list[_Sample]
+    completed_at: tuple[int, int] | None = None  # (step, order within the step) when complete
+
+    @property
+    def complete(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+
+class RolloutQueue:
+    """Prompt groups in, complete batches out, under either schedule (``rollout.mode``).
 
     Args:
         engine:             any RolloutEngine.
         prompts:            iterable of prompt items (see ``prompt_ids_of``); each becomes a group
                             of ``samples_per_prompt`` samples. Must be re-iterable in the same
-                            order for ``load_state_dict`` (it skips the consumed prompts).
+                            order for ``load_state_dict`` (it skips the prompts already taken).
         groups_per_batch:   G, prompts per training batch (batch rows = G * samples_per_prompt).
         samples_per_prompt: n, samples per prompt (GRPO group size).
         sampling:           sampling parameters of every request; its ``seed`` is replaced per
                             request by ``seed * 1_000_003 + global sample index``.
         max_staleness:      the staleness bound (see the module docstring); 0 = synchronous.
         sync_every:         training steps per published version (``rollout.sync_every``).
-        partial_rollout:    continue in-flight requests under new weights on ``publish``.
-        reward_fn:          optional ``reward_fn(sample: RolloutSample) -> float``, run in the
-                            background thread; without it rewards are zeros for the trainer to fill.
+        partial_rollout:    overlap: continue in-flight requests under new weights on
+                            ``publish``; alternate: continue carried samples (else they restart).
+        mode:               "overlap" (a producer thread generates ahead) or "alternate"
+                            (``get_batch`` generates, then the engine sleeps).
+        oversample:         alternate: groups in flight = ``ceil(G × oversample)`` (>= 1); the
+                            first G to complete make the batch, the others are carried.
+        sleep:              alternate: sleep the engine after each batch, wake it on ``publish``.
+        reward_fn:          optional ``reward_fn(sample: RolloutSample) -> float``, run where the
+                            samples finish; without it rewards are zeros for the trainer to fill.
                             An exception, or a value that is not a finite number, stops the run
                             with a :class:`RewardError` naming the function and the prompt.
         reward_name:        the reward's name in those messages (default: ``reward_fn``'s).
@@ -301,8 +278,6 @@ class RolloutQueue(QueueSettings):
         seed:               base of the per-request seeds.
         initial_version:    the version of the engine's weights at ``start`` (default: engine.version).
     """
-
-    MODE = "overlap"
 
     def __init__(
         self,
@@ -315,6 +290,9 @@ class RolloutQueue(QueueSettings):
         max_staleness: int = 0,
         sync_every: int = 1,
         partial_rollout: bool = False,
+        mode: str = "overlap",
+        oversample: float = 1.0,
+        sleep: bool = True,
         reward_fn: Callable[[RolloutSample], float] | None = None,
         reward_name: str | None = None,
         decode: Callable[[list[int]], str] | None = None,
@@ -322,37 +300,66 @@ class RolloutQueue(QueueSettings):
         seed: int = 0,
         initial_version: int | None = None,
     ) -> None:
-        super().__init__(
-            engine,
-            prompts,
-            groups_per_batch=groups_per_batch,
-            samples_per_prompt=samples_per_prompt,
-            sampling=sampling,
-            max_staleness=max_staleness,
-            sync_every=sync_every,
-            partial_rollout=partial_rollout,
-            reward_fn=reward_fn,
-            reward_name=reward_name,
-            decode=decode,
-            pad_id=pad_id,
-            seed=seed,
-            initial_version=initial_version,
-        )
+        if not isinstance(groups_per_batch, int) or groups_per_batch < 1:
+            raise ValueError(f"groups_per_batch must be an integer >= 1, got {groups_per_batch!r}")
+        if not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
+            raise ValueError(
+                f"samples_per_prompt must be an integer >= 1, got {samples_per_prompt!r}"
+            )
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(
+                f"max_staleness must be an integer >= 0 (0 = synchronous), got {max_staleness!r}"
+            )
+        if mode not in ROLLOUT_MODES:
+            raise ValueError(
+                f"rollout.mode must be one of {', '.join(ROLLOUT_MODES)}, got {mode!r}"
+            )
+        if not (isinstance(oversample, int | float) and math.isfinite(oversample)) or (
+            oversample < 1
+        ):
+            raise ValueError(f"rollout.oversample must be a number >= 1.0, got {oversample!r}")
+        if mode == "overlap" and oversample != 1:
+            raise ValueError(
+                f"rollout.oversample={oversample} needs rollout.mode=alternate (groups carried "
+                "between steps); set rollout.mode=alternate or rollout.oversample=1.0"
+            )
+        self.engine = engine
+        self.prompts = prompts
+        self.groups_per_batch = groups_per_batch
+        self.samples_per_prompt = samples_per_prompt
+        self.sampling = (sampling or SamplingParams()).validate()
+        self.max_staleness = max_staleness
+        self.sync_every = _check_sync_every(sync_every)
+        self.partial_rollout = bool(partial_rollout)
+        self.mode = mode
+        self.in_flight = math.ceil(groups_per_batch * oversample - 1e-9)  # groups per step
+        self.sleep = bool(sleep) and mode == "alternate"
+        self.reward_fn = reward_fn
+        self.reward_name = reward_name or getattr(reward_fn, "__qualname__", repr(reward_fn))
+        self.decode = decode
+        self.pad_id = pad_id
+        self.seed = int(seed)
+        self._initial_version = initial_version
+        self._version = 0
+        self._next_step = 0  # the step the trainer asks for next
+        self._groups_taken = 0  # prompts taken from the source since the start of training
+        self._groups: list[_Group] = []  # alternate: carried into the next step, in order
+        self._prompt_iter: Iterator[Any] | None = None
+        self._started = False
+        self._asleep = False
+        # overlap: the producer thread and the batches it generated ahead
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
         self._error: BaseException | None = None
         self._exhausted_at: int | None = None  # first slot that could not be filled
         self._ready: dict[int, QueueBatch] = {}
-        self._version = 0
-        self._next_step = 0  # the step the trainer asks for next
         self._next_slot = 0  # the batch the producer generates next
         self._generating = False
         # the version the batch in hand started with, from taking its prompts until it is in
         # _ready (generation, then reward scoring and collation): its tokens are referenced
         self._unqueued_version: int | None = None
         self._held = False  # engine_idle(): the producer starts nothing
-        self._prompt_iter: Iterator[Any] | None = None
         # cumulative counters (exposed by metrics())
         self._capacity_waits = 0
         self._capacity_wait_s = 0.0
@@ -360,37 +367,47 @@ class RolloutQueue(QueueSettings):
         self._tokens_generated = 0
         self._gen_time_s = 0.0
         self._delivered = (0, 0.0)  # tokens and generation seconds of the batches handed out
+        self._restarted_total = 0
+        self._wake_s = 0.0  # of the last publish, reported with the next batch
+
+    def _oldest_allowed(self, step: int) -> int:
+        """The oldest version a token of the batch of ``step`` may have (the staleness rule)."""
+        return step // self.sync_every - self.max_staleness
 
     # ------------------------------------------------------------------ trainer API
     def start(self) -> None:
-        """Start the background producer (after ``load_state_dict`` when resuming)."""
-        if self._thread is not None:
+        """Ready the prompt source (after ``load_state_dict`` when resuming); in overlap mode
+        start the producer thread."""
+        if self._started:
             raise RuntimeError("RolloutQueue.start() was called twice")
+        self._started = True
         self._version = (
             int(self._initial_version)
             if self._initial_version is not None
             else int(self.engine.version)
         )
         self._prompt_iter = iter(self.prompts)
-        # resume: skip the prompts of the consumed steps and of a batch restored by load_state_dict
-        self._next_slot = self._next_step + (1 if self._next_step in self._ready else 0)
-        for _ in range(self._next_slot * self.groups_per_batch):
+        for _ in range(self._groups_taken):  # resume: skip the prompts already taken
             if next(self._prompt_iter, _END) is _END:
                 raise PromptsExhausted(
                     f"cannot resume at step {self._next_step}: the prompt source has fewer than "
-                    f"{self._next_slot * self.groups_per_batch} prompts"
+                    f"{self._groups_taken} prompts"
                 )
-        self._thread = threading.Thread(target=self._produce, name="rollout-queue", daemon=True)
-        self._thread.start()
+        self._next_slot = self._next_step + (1 if self._next_step in self._ready else 0)
+        if self.mode == "overlap":
+            self._thread = threading.Thread(target=self._produce, name="rollout-queue", daemon=True)
+            self._thread.start()
 
     def get_batch(self, step: int, timeout: float | None = None) -> QueueBatch:
-        """Block until the batch of training step ``step`` (0-based) is complete; return it.
+        """The batch of training step ``step`` (0-based); steps are requested in order.
 
-        Steps must be requested in order. Raises PromptsExhausted when the prompts ran out,
-        re-raises any error of the background thread, and raises RuntimeError if a token violates
-        the staleness bound (which the capacity control makes impossible; it is checked anyway).
+        Overlap: blocks until the producer has it (``timeout`` bounds the wait) and re-raises
+        any error of the producer thread. Alternate: generates it now, with the weights of
+        version ``step // sync_every`` (publish them first), then sleeps the engine. Raises
+        PromptsExhausted when the prompts ran out, and RuntimeError if a token violates the
+        staleness bound (which the schedules make impossible; it is checked anyway).
         """
-        if self._thread is None:
+        if not self._started:
             raise RuntimeError("call RolloutQueue.start() before get_batch()")
         if step != self._next_step:
             raise ValueError(
@@ -398,19 +415,23 @@ class RolloutQueue(QueueSettings):
                 f"{self._next_step}; steps are consumed one by one from 0 (or the resumed step)"
             )
         t0 = time.perf_counter()
+        if self.mode == "overlap":
+            with self._cond:
+                self._wait_ready(step, None if timeout is None else t0 + timeout)
+                out = self._ready.pop(step)
+                tokens, gen_s = self._delivered
+                self._delivered = (
+                    tokens + int(out.metrics["rollout/tokens"]),
+                    gen_s + out.metrics["rollout/gen_time_s"],
+                )
+        else:
+            out = self._generate_now(step)
+            self._delivered = (self._tokens_generated, self._gen_time_s)
         with self._cond:
-            self._wait_ready(step, None if timeout is None else t0 + timeout)
-            out = self._ready.pop(step)
             self._next_step = step + 1
-            tokens, gen_s = self._delivered
-            self._delivered = (
-                tokens + int(out.metrics["rollout/tokens"]),
-                gen_s + out.metrics["rollout/gen_time_s"],
-            )
             self._cond.notify_all()
-        out.metrics.update(
-            check_staleness(out.batch, self._oldest_allowed(step), step // self.sync_every)
-        )
+        current = step // self.sync_every
+        out.metrics.update(check_staleness(out.batch, self._oldest_allowed(step), current))
         out.metrics["rollout/wait_s"] = time.perf_counter() - t0
         out.metrics.update(self.metrics())
         return out
@@ -440,10 +461,18 @@ class RolloutQueue(QueueSettings):
             self._cond.wait(timeout=remaining if remaining is not None else 1.0)
 
     def publish(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        """Push new weights into the engine and record ``version`` (see partial_rollout)."""
+        """Wake the engine if it sleeps, push the weights of ``version`` and record it. While
+        the producer may be generating: with partial rollouts the engine is paused around the
+        push (in-flight responses continue under the new weights), without them the push waits
+        for the running ``generate`` call to end."""
         if version < self._version:
             raise ValueError(f"version must not decrease: got {version}, have {self._version}")
-        if self.partial_rollout:
+        t0 = time.perf_counter()
+        if self._asleep:
+            self.engine.wake()
+            self._asleep = False
+        self._wake_s = time.perf_counter() - t0
+        if self.partial_rollout and self._thread is not None:
             self.engine.pause()
             try:
                 self.engine.publish_weights(buckets, version)
@@ -460,7 +489,8 @@ class RolloutQueue(QueueSettings):
     def engine_idle(self) -> Iterator[None]:
         """Inside the block the queue has nothing in the engine: the running ``generate`` call
         has finished and the producer starts no new one until the block ends (to publish, or to
-        run an evaluation that must not share the engine with training rollouts)."""
+        run an evaluation that must not share the engine with training rollouts). Alternate
+        mode generates only inside ``get_batch``: the engine is idle between two calls."""
         with self._cond:
             self._held = True
             while self._generating and self._error is None:
@@ -481,9 +511,12 @@ class RolloutQueue(QueueSettings):
             self._cond.notify_all()
 
     def referenced_versions(self) -> set[int]:
-        """The weight versions that tokens of the ready batches and of the batch in hand (being
-        generated, or already generated and being scored and collated) may carry: what
-        keep_old_actor must keep a snapshot of, besides the latest."""
+        """The weight versions that tokens of the next batches may carry: what keep_old_actor
+        must keep a snapshot of, besides the latest. Those of the carried tokens within the
+        bound (alternate; older ones restart), and every version from the oldest token of the
+        ready batches or of the batch in hand (overlap: being generated, scored or collated) to
+        the latest."""
+        oldest_allowed = self._oldest_allowed(self._next_step)
         with self._cond:
             lows = [
                 int(b.batch.versions[b.batch.versions >= 0].min())
@@ -492,26 +525,40 @@ class RolloutQueue(QueueSettings):
             ]
             if self._unqueued_version is not None:
                 lows.append(self._unqueued_version)
-            return set(range(min(lows, default=self._version), self._version + 1))
+            ahead = set(range(min(lows), self._version + 1)) if lows else set()
+            return ahead | {
+                v
+                for g in self._groups
+                for s in g.samples
+                if s.done is not None
+                for v in s.done.versions
+                if v >= oldest_allowed
+            }
 
     def metrics(self) -> dict[str, float]:
         """Cumulative ``rollout/`` counters since start."""
-        return {
+        totals = {
+            "rollout/tokens_total": float(self._tokens_generated),
+            "rollout/tokens_per_s_total": self._tokens_generated / max(self._gen_time_s, 1e-9),
+        }
+        if self.mode == "alternate":
+            return totals | {"rollout/restarted_total": float(self._restarted_total)}
+        return totals | {
             "rollout/capacity_waits": float(self._capacity_waits),
             "rollout/capacity_wait_s": self._capacity_wait_s,
             "rollout/publish_drain_wait_s": self._drain_wait_s,
-            "rollout/tokens_total": float(self._tokens_generated),
-            "rollout/tokens_per_s_total": self._tokens_generated / max(self._gen_time_s, 1e-9),
             "rollout/buffered_batches": float(len(self._ready)),
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Resume position, and the batch generated ahead of training.
+        """Resume position, the carried groups (their partial tokens included) and the batch
+        generated ahead of training.
 
-        The next step's batch is (being) generated with weights older than the ones a checkpoint
-        saves now, which a resumed run could not rebuild: this waits for that batch and saves it
-        (it stays queued here too). A resumed run then trains on the very same tokens and its
-        producer continues with the step after it. Before ``start`` nothing is ahead.
+        Overlap: the next step's batch is (being) generated with weights older than the ones a
+        checkpoint saves now, which a resumed run could not rebuild: this waits for that batch
+        and saves it (it stays queued here too). A resumed run then trains on the very same
+        tokens and its producer continues with the step after it. Before ``start`` nothing is
+        ahead. Alternate: nothing is ahead; the carried groups continue in the next step.
         """
         ahead = None
         with self._cond:
@@ -524,41 +571,68 @@ class RolloutQueue(QueueSettings):
         if ahead is not None:
             tokens += int(ahead.metrics["rollout/tokens"])
             gen_s += ahead.metrics["rollout/gen_time_s"]
+        taken = (self._next_step + (ahead is not None)) * self.groups_per_batch
         return {
-            **self._settings_state(),
+            "mode": self.mode,
+            "sync_every": self.sync_every,
+            "samples_per_prompt": self.samples_per_prompt,
             "next_step": self._next_step,
-            "prompts_consumed": self._next_step * self.groups_per_batch,
+            "groups_taken": taken if self.mode == "overlap" else self._groups_taken,
             "seed": self.seed,
+            "carried": list(self._groups),
             "batch_ahead": ahead,
             "tokens_total": tokens,  # the cumulative counters continue on resume
             "gen_time_s": gen_s,
+            "restarted_total": self._restarted_total,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` saved; call before ``start``."""
-        if self._thread is not None:
+        """Restore what ``state_dict`` saved; call before ``start``. A saved state whose settings
+        differ from this queue's is refused: versions count publishes (``rollout.sync_every``),
+        and carried groups hold ``samples_per_prompt`` samples."""
+        if self._started:
             raise RuntimeError("load_state_dict must be called before start()")
-        self._check_settings(state)
-        if state["prompts_consumed"] != state["next_step"] * self.groups_per_batch:
+        saved_mode = state.get("mode", "overlap")
+        if saved_mode != self.mode:
             raise ValueError(
-                f"checkpoint consumed {state['prompts_consumed']} prompts in "
-                f"{state['next_step']} steps, which does not match groups_per_batch="
-                f"{self.groups_per_batch}"
+                f"the checkpoint's rollout queue was saved with rollout.mode={saved_mode}; resume "
+                f"with the same rollout.mode (this run has {self.mode})"
+            )
+        for key in ("sync_every", "samples_per_prompt"):
+            ours = getattr(self, key)
+            saved = state.get(key, ours)  # checkpoints written before the key was saved
+            if saved != ours:
+                raise ValueError(
+                    f"the checkpoint was written with rollout.{key}={saved}, this run has "
+                    f"rollout.{key}={ours}: resume with rollout.{key}={saved}"
+                )
+        ahead = state.get("batch_ahead")
+        if "groups_taken" in state:
+            self._groups_taken = int(state["groups_taken"])
+        else:  # an overlap queue's state of the earlier format
+            if state["prompts_consumed"] != state["next_step"] * self.groups_per_batch:
+                raise ValueError(
+                    f"checkpoint consumed {state['prompts_consumed']} prompts in "
+                    f"{state['next_step']} steps, which does not match groups_per_batch="
+                    f"{self.groups_per_batch}"
+                )
+            self._groups_taken = int(state["prompts_consumed"]) + (
+                self.groups_per_batch if ahead is not None else 0
             )
         self._next_step = int(state["next_step"])
         self.seed = int(state["seed"])
+        self._groups = list(state.get("carried", []))
         self._tokens_generated = int(state.get("tokens_total", 0))
         self._gen_time_s = float(state.get("gen_time_s", 0.0))
+        self._restarted_total = int(state.get("restarted_total", 0))
         self._delivered = (self._tokens_generated, self._gen_time_s)
-        if state["batch_ahead"] is not None:  # counted again when it is handed out
-            m = state["batch_ahead"].metrics
-            self._delivered = (
-                self._tokens_generated - int(m["rollout/tokens"]),
-                self._gen_time_s - m["rollout/gen_time_s"],
-            )
         self._ready.clear()
-        if state["batch_ahead"] is not None:
-            self._ready[self._next_step] = state["batch_ahead"]
+        if ahead is not None:  # counted again when it is handed out
+            self._delivered = (
+                self._tokens_generated - int(ahead.metrics["rollout/tokens"]),
+                self._gen_time_s - ahead.metrics["rollout/gen_time_s"],
+            )
+            self._ready[self._next_step] = ahead
 
     def close(self) -> None:
         """Stop the producer (aborting its in-flight requests) and join it. Idempotent."""
@@ -583,7 +657,7 @@ class RolloutQueue(QueueSettings):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ producer
+    # ------------------------------------------------------------------ overlap: the producer
     def _produce(self) -> None:
         try:
             while True:
@@ -602,14 +676,14 @@ class RolloutQueue(QueueSettings):
                     if waited:
                         self._capacity_wait_s += time.perf_counter() - t0
                     start_version = self._version
-                    items = self._take_prompts()
-                    if items is None:
+                    groups = self._take(self.groups_per_batch)
+                    if len(groups) < self.groups_per_batch:
                         self._exhausted_at = slot
                         self._cond.notify_all()
                         return
                     self._generating = True
                     self._unqueued_version = start_version
-                requests, owners = self._requests(slot, items)
+                requests, owners = self._requests(slot, groups)
                 t_gen = time.perf_counter()
                 try:
                     completions = self.engine.generate(requests)
@@ -620,7 +694,16 @@ class RolloutQueue(QueueSettings):
                 gen_s = time.perf_counter() - t_gen
                 if self._stop:
                     return
-                batch = self._assemble(slot, items, owners, completions, gen_s, start_version)
+                aborted = [c.request_id for c in completions if c.finish_reason == "abort"]
+                if aborted:
+                    raise RuntimeError(
+                        f"request {aborted[0]} was aborted (by engine.abort() outside the queue); "
+                        "the queue cannot build a batch from partial completions"
+                    )
+                tokens_before = self._tokens_generated
+                self._merge_all(slot, owners, completions)
+                generated = self._tokens_generated - tokens_before
+                batch = self._assemble(slot, groups, gen_s, generated, start_version)
                 with self._cond:
                     self._ready[slot] = batch
                     self._unqueued_version = None
@@ -631,66 +714,175 @@ class RolloutQueue(QueueSettings):
                 self._error = e
                 self._cond.notify_all()
 
-    def _take_prompts(self) -> list[Any] | None:
+    # ------------------------------------------------------------------ alternate: get_batch
+    def _generate_now(self, step: int) -> QueueBatch:
+        """Restart the carried samples that would break the bound, top the groups in flight up
+        to ``in_flight``, stream until ``groups_per_batch`` groups are complete, sleep."""
+        current = step // self.sync_every
+        if self._version != current:
+            raise RuntimeError(
+                f"get_batch(step={step}) in alternate mode generates with the weights of version "
+                f"{current}: publish them first (the engine holds version {self._version})"
+            )
+        t0 = time.perf_counter()
+        tokens_before = self._tokens_generated
+        restarted = self._restart_stale(self._oldest_allowed(step))
+        self._groups += self._take(self.in_flight - len(self._groups))
+        if len(self._groups) < self.groups_per_batch:
+            raise PromptsExhausted(
+                f"the prompt source ran out before the batch of step {self._next_step} was filled"
+            )
+        need = self.groups_per_batch - sum(g.complete for g in self._groups)
+        if need > 0:
+            requests, owners = self._requests(step, self._groups)
+            self._merge_all(step, owners, self.engine.stream(requests, until_groups=need))
+        gen_s = time.perf_counter() - t0
+        t_sleep = time.perf_counter()
+        if self.sleep:
+            self.engine.sleep()
+            self._asleep = True
+        sleep_s = time.perf_counter() - t_sleep
+        done = sorted((g for g in self._groups if g.complete), key=lambda g: g.completed_at)
+        if len(done) < self.groups_per_batch:
+            raise RuntimeError(
+                f"the engine stopped with {len(done)} of {self.groups_per_batch} groups complete"
+            )
+        batch_groups = sorted(done[: self.groups_per_batch], key=lambda g: g.index)
+        taken = {id(g) for g in batch_groups}
+        self._groups = [g for g in self._groups if id(g) not in taken]
+        generated = self._tokens_generated - tokens_before
+        out = self._assemble(step, batch_groups, gen_s, generated, current)
+        self._restarted_total += restarted
+        out.metrics |= {
+            "rollout/carried_over": float(len(self._groups)),
+            "rollout/restarted": float(restarted),
+            "rollout/groups_in_flight": float(len(self._groups) + len(batch_groups)),
+            "perf/rollout_s": gen_s,
+            "perf/engine_sleep_s": sleep_s,
+            "perf/engine_wake_s": self._wake_s,
+        }
+        return out
+
+    def _restart_stale(self, oldest_allowed: int) -> int:
+        """Drop the tokens of carried samples older than ``oldest_allowed`` (or, without partial
+        rollouts, unfinished); they start again from the prompt. Returns how many."""
+        count = 0
+        for g in self._groups:
+            for s in g.samples:
+                oldest = s.oldest_version
+                stale = oldest is not None and oldest < oldest_allowed
+                if stale or (oldest is not None and not s.finished and not self.partial_rollout):
+                    s.done, s.reward = None, None
+                    s.attempt += 1
+                    g.completed_at = None
+                    count += 1
+        return count
+
+    # ------------------------------------------------------------------ both schedules
+    def _take(self, count: int) -> list[_Group]:
+        """Up to ``count`` new groups from the prompt source (fewer when it runs out)."""
         assert self._prompt_iter is not None
-        items = []
-        for _ in range(self.groups_per_batch):
+        n = self.samples_per_prompt
+        groups = []
+        for _ in range(max(count, 0)):
             item = next(self._prompt_iter, _END)
             if item is _END:
-                return None
-            items.append(item)
-        return items
+                break
+            index = self._groups_taken
+            self._groups_taken += 1
+            seeds = [sample_seed(self.seed, index * n + j) for j in range(n)]
+            groups.append(_Group(index, item, prompt_ids_of(item), [_Sample(s) for s in seeds]))
+        return groups
 
-    def _requests(self, slot: int, items: list[Any]) -> tuple[list[GenerateRequest], list[int]]:
-        n = self.samples_per_prompt
-        requests, owners = [], []
-        first = slot * self.groups_per_batch * n  # global index of the batch's first sample
-        for g, item in enumerate(items):
-            ids = prompt_ids_of(item)
-            for j in range(n):
-                idx = first + g * n + j
-                params = replace(self.sampling, seed=sample_seed(self.seed, idx))
-                requests.append(GenerateRequest(ids, params, request_id=f"s{slot}-g{g}-n{j}"))
-                owners.append(g)
+    def _requests(
+        self, step: int, groups: list[_Group]
+    ) -> tuple[list[GenerateRequest], dict[str, tuple[_Group, _Sample]]]:
+        """One request per unfinished sample of ``groups``: from the prompt, or continuing its
+        tokens (a partial rollout); and the (group, sample) of each request id."""
+        requests, owners = [], {}
+        for g in groups:
+            for j, s in enumerate(g.samples):
+                if s.finished:
+                    continue
+                tokens = s.done.token_ids if s.done is not None else []
+                params = replace(
+                    self.sampling,
+                    max_new_tokens=self.sampling.max_new_tokens - len(tokens),
+                    seed=_continuation_seed(s.seed, s.attempt, len(tokens)),
+                )
+                rid = f"g{g.index}-n{j}-a{s.attempt}-s{step}"  # group, sample, restarts, step
+                requests.append(GenerateRequest(g.prompt_ids + tokens, params, rid, str(g.index)))
+                owners[rid] = (g, s)
         return requests, owners
 
-    def _assemble(
+    def _merge_all(
         self,
-        slot: int,
-        items: list[Any],
-        owners: list[int],
-        completions: list[Completion],
-        gen_s: float,
-        start_version: int,
-    ) -> QueueBatch:
-        n = self.samples_per_prompt
-        first = slot * self.groups_per_batch * n
-        samples: list[RolloutSample] = []
-        for i, (g, c) in enumerate(zip(owners, completions)):
-            if c.finish_reason == "abort":
-                raise RuntimeError(
-                    f"request {c.request_id} was aborted (by engine.abort() outside the queue); "
-                    "the queue cannot build a batch from partial completions"
-                )
-            sample = RolloutSample(
-                prompt=items[g],
-                prompt_ids=list(c.prompt_ids),
-                completion=c,
-                text=self.decode(c.token_ids) if self.decode is not None else None,
-                reward=None,
-                group=g,
-                sample_index=first + i,
+        step: int,
+        owners: dict[str, tuple[_Group, _Sample]],
+        completions: Iterable[Completion],
+    ) -> None:
+        """Merge each completion into its sample as it comes; number the groups of ``step`` in
+        the order they complete."""
+        order = 0
+        for c in completions:
+            group, sample = owners[c.request_id]
+            self._merge(group, sample, c)
+            if group.complete and group.completed_at is None:
+                group.completed_at = (step, order)
+                order += 1
+
+    def _merge(self, group: _Group, sample: _Sample, c: Completion) -> None:
+        """Append a completion's tokens to the sample's; score it once it is finished."""
+        before = sample.done
+        if c.finish_reason == "abort" and not c.token_ids:
+            return  # stopped before its first token: nothing changes
+        tokens = (before.token_ids if before else []) + c.token_ids
+        sample.done = Completion(
+            request_id=c.request_id,
+            prompt_ids=list(group.prompt_ids),
+            token_ids=tokens,
+            logprobs=(before.logprobs if before else []) + c.logprobs,
+            versions=(before.versions if before else []) + c.versions,
+            # an abort in the step that finished the sample (its last token a stop id, or no
+            # budget left) is a finished sample: never continued past its end
+            finish_reason=settled_finish_reason(c.finish_reason, tokens, self.sampling),
+        )
+        self._tokens_generated += len(c.token_ids)
+        if sample.finished and self.reward_fn is not None:
+            sample.reward = score_sample(
+                self.reward_fn, self.reward_name, self._as_sample(group, sample)
             )
-            if self.reward_fn is not None:
-                sample.reward = score_sample(self.reward_fn, self.reward_name, sample)
-            samples.append(sample)
+
+    def _as_sample(self, group: _Group, sample: _Sample) -> RolloutSample:
+        assert sample.done is not None
+        j = group.samples.index(sample)
+        return RolloutSample(
+            prompt=group.prompt,
+            prompt_ids=list(group.prompt_ids),
+            completion=sample.done,
+            text=self.decode(sample.done.token_ids) if self.decode is not None else None,
+            reward=sample.reward,
+            group=-1,  # its row's group is set when the batch is assembled
+            sample_index=group.index * self.samples_per_prompt + j,
+        )
+
+    def _assemble(
+        self, step: int, groups: list[_Group], gen_s: float, generated: int, start_version: int
+    ) -> QueueBatch:
+        samples, owners = [], []
+        for gi, g in enumerate(groups):
+            for s in g.samples:
+                sample = self._as_sample(g, s)
+                sample.group = gi
+                samples.append(sample)
+                owners.append(gi)
+        completions = [s.completion for s in samples]
         rewards = [s.reward for s in samples] if self.reward_fn is not None else None
         batch = collate_completions(completions, owners, rewards, pad_id=self.pad_id)
-        metrics = batch_metrics(batch, gen_s, has_rewards=rewards is not None)
-        metrics["rollout/start_version"] = float(start_version)
-        self._tokens_generated += int(metrics["rollout/tokens"])
         self._gen_time_s += gen_s
-        return QueueBatch(step=slot, batch=batch, samples=samples, metrics=metrics)
+        metrics = batch_metrics(batch, gen_s, has_rewards=rewards is not None, generated=generated)
+        metrics["rollout/start_version"] = float(start_version)
+        return QueueBatch(step=step, batch=batch, samples=samples, metrics=metrics)
 
 
 def score_sample(
@@ -778,6 +970,15 @@ def _describe_prompt(sample: RolloutSample) -> str:
         short = text if len(text) <= 60 else text[:57] + "..."
         head += f" ({short!r})"
     return f"{head}, completion {(sample.text or '')[:60]!r}"
+
+
+def _continuation_seed(seed: int, attempt: int, offset: int) -> int:
+    """The seed of a request that samples token ``offset`` onwards of a sample (attempt 0 from
+    the prompt keeps the sample's own seed, :func:`sample_seed`)."""
+    if attempt == 0 and offset == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{attempt}:{offset}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 _END = object()

@@ -21,7 +21,7 @@ import minippo.engine.sglang_engine as backend
 from minippo.engine import GenerateRequest, SamplingParams
 from minippo.engine.sglang_engine import SGLangEngine
 from minippo.models import Transformer, hf_name, init_weights
-from minippo.training.alternating_queue import AlternatingQueue
+from minippo.training.rollout_queue import RolloutQueue
 from tests.engine_suite import check_completion, one_torch_thread  # noqa: F401 (autouse)
 from tests.sglang_cpu.conftest import ARGS, next_base_port
 
@@ -135,7 +135,7 @@ def test_a_request_may_fill_the_context(engine):
         engine.generate([GenerateRequest([1] * CONTEXT, SamplingParams(max_new_tokens=1), "x")])
 
 
-def test_the_alternating_queue_never_continues_a_sample_past_its_end(engine):
+def test_the_alternate_queue_never_continues_a_sample_past_its_end(engine):
     """The GPU schedule on the real engine: over-provisioned groups (oversample 2), partial
     rollouts continued under newer weights, a 200-token cap and 1 token id in 32 a stop id. Every
     trained sample ends at its first stop id or at the cap, its tokens within the staleness
@@ -149,7 +149,7 @@ def test_the_alternating_queue_never_continues_a_sample_past_its_end(engine):
             yield [1 + i % 7, 2 + i % 5, 3]
             i += 1
 
-    queue = AlternatingQueue(
+    queue = RolloutQueue(
         engine,
         prompts(),
         groups_per_batch=4,
@@ -157,6 +157,7 @@ def test_the_alternating_queue_never_continues_a_sample_past_its_end(engine):
         sampling=sampling,
         max_staleness=1,
         partial_rollout=True,
+        mode="alternate",
         oversample=2.0,
     )
     queue.start()

@@ -372,7 +372,9 @@ def test_resume_reproduces_the_uninterrupted_sequence():
     assert tokens == sum(int(full[s].batch.response_mask.sum()) for s in range(3))
     assert state.pop("gen_time_s") > 0
     settings = {"mode": "overlap", "sync_every": 1, "samples_per_prompt": 2}
-    assert state == {**settings, "next_step": 2, "prompts_consumed": 4, "seed": 5}
+    # the prompts of steps 0-2 are taken (step 2's batch is ahead); nothing is carried
+    position = {"next_step": 2, "groups_taken": 6, "seed": 5, "carried": [], "restarted_total": 0}
+    assert state == {**settings, **position}
     assert ahead.step == 2 and torch.equal(ahead.batch.input_ids, full[2].batch.input_ids)
     state["batch_ahead"] = ahead
     state["tokens_total"] = tokens

@@ -1,4 +1,4 @@
-"""AlternatingQueue (``rollout.mode: alternate``) with a real TorchEngine on a tiny model.
+"""RolloutQueue in ``rollout.mode: alternate`` with a real TorchEngine on a tiny model.
 
 Each weight version is a distinct random model; several stop ids make the response lengths
 geometric, so groups finish at different steps and some are carried over.
@@ -16,7 +16,6 @@ import torch
 from minippo.engine import SamplingParams
 from minippo.engine.torch_engine import TorchEngine
 from minippo.models import Transformer, hf_name, init_weights, qwen3_tiny
-from minippo.training.alternating_queue import AlternatingQueue
 from minippo.training.rollout_queue import RolloutQueue
 from tests.engine_suite import one_torch_thread  # noqa: F401 (autouse: one torch thread)
 
@@ -69,9 +68,10 @@ def engine():
     eng.shutdown()
 
 
-def make_queue(engine, **kw) -> AlternatingQueue:
+def make_queue(engine, **kw) -> RolloutQueue:
     opts = dict(groups_per_batch=4, samples_per_prompt=2, sampling=SAMPLING, max_staleness=1)
-    return AlternatingQueue(engine, prompts(), **(opts | kw))
+    opts |= dict(mode="alternate", partial_rollout=True)
+    return RolloutQueue(engine, prompts(), **(opts | kw))
 
 
 def run(queue, steps: int, start: int = 0):
@@ -141,10 +141,7 @@ def test_oversample_one_equals_the_synchronous_overlap_queue():
         eng = TorchEngine(ARGS, in_process=True)
         try:
             opts = dict(groups_per_batch=4, samples_per_prompt=2, sampling=SAMPLING)
-            if mode == "alternate":
-                q = AlternatingQueue(eng, prompts(), max_staleness=0, **opts)
-            else:
-                q = RolloutQueue(eng, prompts(), max_staleness=0, **opts)
+            q = RolloutQueue(eng, prompts(), max_staleness=0, mode=mode, **opts)
             q.publish(weights(0), version=0)
             q.start()
             got[mode] = []

@@ -30,7 +30,9 @@ def test_rollout_mode_and_sglang_on_gpu():
     cfg = OmegaConf.create
     assert placement.rollout_mode(cfg({})) == "overlap"  # the recipe's default
     assert placement.rollout_mode(cfg({"rollout": {"mode": "alternate"}})) == "alternate"
-    with pytest.raises(ConfigError, match=r"rollout\.mode='both' must be one of alternate, overlap"):
+    with pytest.raises(
+        ConfigError, match=r"rollout\.mode='both' must be one of alternate, overlap"
+    ):
         placement.rollout_mode(cfg({"rollout": {"mode": "both"}}))
     sglang = "minippo.engine.sglang_engine.SGLangEngine"
     assert placement.sglang_on_gpu(cfg({"engine": {"_component_": sglang}}))

@@ -187,14 +187,8 @@ class EvalRecipe:
             torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // ranks_here))
         self.engine = self.logger = None  # built by setup
         self.source, self.step = "", 0  # what setup loads: the weights' origin, its step
-        metrics_path = cfg.metric_logger.get("path")
-        outputs = [cfg.samples_path, *([metrics_path] if metrics_path else [])]
-        self.output_dir = OutputDir(
-            cfg.output_dir,
-            outputs,
-            resume=False,
-            overwrite=bool(cfg.get("overwrite_output_dir", False)),
-        )
+        # samples_path and the metrics file: one run per folder (preflight checked it)
+        self.output_dir = OutputDir.of_run(cfg)
         if self.is_main:
             self.output_dir.claim()
 

@@ -7,7 +7,6 @@ import ast
 import logging
 import os
 import runpy
-import shutil
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -16,7 +15,11 @@ from pathlib import Path
 from minippo._cli import registry
 from minippo._cli.plan import add_plan_parser
 from minippo.config import ConfigError, check_no_flags, load_config, report_error, validate
+from minippo.config._parse import PER_LAUNCH, RUN_TIME_ENV, new_launch
 from minippo.config._report import debug, setup_logging
+
+# a launch time given by the caller (every node of a multi-node run the same); else one per launch
+_RUN_TIME_GIVEN = RUN_TIME_ENV in os.environ
 
 EXAMPLES = textwrap.dedent(
     """\
@@ -40,8 +43,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     Errors end in one ``minippo: error:`` line (exit code 2 for bad input, 1 otherwise);
     ``MINIPPO_LOG_LEVEL=DEBUG`` also prints the traceback."""
     setup_logging()
+    try:
+        code = _main(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `minippo run --help | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush goes nowhere
+        return 0
+    return code
+
+
+def _main(argv: list[str]) -> int:
     parser = _build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":
         # `run` hands everything after the recipe to the recipe, so it is parsed separately.
         return _guard(_run, argv[1:])
@@ -55,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _guard(func, args) -> int:
     try:
         return func(args) or 0
+    except BrokenPipeError:
+        raise
     except (Exception, KeyboardInterrupt) as e:
         return report_error(e)
 
@@ -126,15 +141,18 @@ def _build_parser() -> argparse.ArgumentParser:
             "the recipe reads, with its type and range, and misspelled keys of the YAML file as "
             "of the command line; every _component_ imported and bound to its signature; the "
             "off-policy correction contract; the batch shapes for the number of ranks) and the "
-            "input files (checkpoint_path, dataset files, the checkpoint to resume, output_dir). "
-            "Prints every problem, one line each; exit code 1 when there are problems."
+            "input files (checkpoint_path, dataset files and their prompt and answer fields, the "
+            "checkpoint to resume) and output_dir (not a file, writable, not in use by a live "
+            "run, no other run's outputs unless resumed or overwritten), and the launcher's "
+            "--nproc-per-node and --nnodes. Prints every problem, one line each; exit code 1 when "
+            "there are problems."
         ),
         epilog=textwrap.dedent(
             """\
             examples:
               minippo validate --config tiny_cpu
               minippo validate --config my_tiny.yaml rollout.max_staleness=4
-              minippo validate --config my_8gpu.yaml --nproc-per-node 8
+              minippo validate --config qwen3_0_6b_gsm8k_1gpu --nproc-per-node 1
               minippo validate --recipe my_ppo.py --config my.yaml
             """
         ),
@@ -144,14 +162,17 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--recipe",
         help="built-in recipe name or .py file whose checks to run (default: the recipe of a "
-        "built-in config, else async_ppo for a config with a rollout section, eval for one with "
-        "a top-level samples_per_prompt or samples_path)",
+        "built-in config, else eval for a config with a top-level samples_per_prompt or "
+        "samples_path, else async_ppo for one with a rollout section or 3 of its other "
+        "top-level keys, else the _component_ checks only)",
     )
     p.add_argument(
         "--nproc-per-node",
-        type=int,
-        help="ranks the run will have, as given to `minippo run --nproc-per-node` (default: the "
-        "launch a built-in config is written for, else one plain process)",
+        help="ranks per node, as given to `minippo run --nproc-per-node` (default: the launch a "
+        "built-in config is written for, else one plain process)",
+    )
+    p.add_argument(
+        "--nnodes", default="1", help="nodes, as given to `minippo run --nnodes` (default: 1)"
     )
     p.add_argument("overrides", nargs="*", help="key=value, +key=value or ~key")
     p.set_defaults(func=_validate)
@@ -188,11 +209,17 @@ _RUN_HELP = textwrap.dedent(
 
     examples:
       minippo run async_ppo --config tiny_cpu
-      minippo run async_ppo --config tiny_cpu total_steps=10 seed=1 correction.beta=0.5
+      minippo run async_ppo --config tiny_cpu total_steps=10 seed=1 correction.reset_below=0.7
       minippo run --nproc-per-node 2 async_ppo --config tiny_cpu
-      minippo run ./my_recipe.py --config ./my_tiny.yaml ~logger.log_dir
+      minippo run ./my_recipe.py --config ./my_tiny.yaml ~eval
       minippo run --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 \\
-          --nproc-per-node 8 async_ppo --config my_16gpu.yaml parallel.sharding=hsdp
+          --nproc-per-node 8 async_ppo --config my_16gpu.yaml parallel.sharding=hsdp \\
+          output_dir=/shared/runs/run1
+
+    output_dir: the built-in configs write each launch to a new folder named by its time
+    (/tmp/minippo/<config>/<YYYYmmdd-HHMMSS>); after a run ends well, <config>/latest points at
+    it. An output_dir you set is used as it is: one run per folder (resume_from or
+    overwrite_output_dir=true to reuse it).
     """
 )
 
@@ -233,28 +260,118 @@ def _cp(args: argparse.Namespace) -> int:
             return 0
         if not args.force:
             raise ConfigError(f"{str(dest)!r} already exists; pass --force to overwrite it")
-    shutil.copyfile(src, dest)
+    text = src.read_text(encoding="utf-8")
+    if src.suffix == ".yaml":  # the copy writes its runs to its own folder, not the original's
+        text = _own_output_dir(text, dest.stem)
+    dest.write_text(text, encoding="utf-8")
     print(f"Copied {name} to {dest}")
     return 0
 
 
+def _own_output_dir(text: str, name: str) -> str:
+    """A built-in config's text with its top-level ``output_dir: /tmp/minippo/<config>...``
+    moved to ``/tmp/minippo/<name>...`` (the rest of the value and the comment kept)."""
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.startswith("output_dir: /tmp/minippo/"):
+            head, _, rest = line.partition("/tmp/minippo/")
+            rest = rest[len(rest.split("/")[0].split()[0]) :] if rest.strip() else rest
+            lines[i] = f"{head}/tmp/minippo/{name}{rest}"
+            break
+    return "".join(lines)
+
+
 def _validate(args: argparse.Namespace) -> int:
     _add_cwd_to_path()
+    if not _RUN_TIME_GIVEN:
+        new_launch()
     try:
-        cfg = load_config(args.config, args.overrides)
+        nproc = args.nproc_per_node
+        if nproc is None and registry.config_entry(args.config) is not None:
+            nproc = registry.config_entry(args.config)[1].nproc_per_node
+        world, per_node = launch_size(nproc or 1, args.nnodes)
+        cfg = load_config(_config_path(args.config), args.overrides)  # as `run` loads it
+        recipe = _recipe_of(args.recipe, args.config, cfg)
+        problems = preflight_problems(
+            cfg,
+            recipe,
+            world_size=world,
+            distributed=nproc is not None or world > 1,
+            local_world_size=per_node,
+        )
     except ConfigError as e:
-        _print_problems(e.problems)
-        return 1
-    recipe = _recipe_of(args.recipe, args.config, cfg)
-    nproc = args.nproc_per_node
-    if nproc is None and registry.config_entry(args.config) is not None:
-        nproc = registry.config_entry(args.config)[1].nproc_per_node
-    problems = run_checks(cfg, recipe, world_size=nproc or 1, distributed=nproc is not None)
+        problems = e.problems
     if problems:
         _print_problems(problems)
         return 1
     print("Config is well-formed!")
     return 0
+
+
+def launch_size(nproc_per_node: str | int, nnodes: str | int = 1) -> tuple[int, int]:
+    """(ranks in all, ranks per node) of a launch with torchrun's ``--nproc-per-node`` and
+    ``--nnodes``; a ConfigError for what minippo cannot run (0 ranks, an elastic node count)."""
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+    try:
+        per_node = determine_local_world_size(str(nproc_per_node))
+    except ValueError as e:
+        raise ConfigError(
+            f"--nproc-per-node {nproc_per_node}: {e}; give the ranks per node, an integer >= 1"
+        ) from None
+    if per_node < 1:
+        raise ConfigError(
+            f"--nproc-per-node {nproc_per_node}: a run needs at least 1 rank per node; give "
+            "--nproc-per-node 1 or more (one per GPU)"
+        )
+    try:
+        low, high = parse_min_max_nnodes(str(nnodes))
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(
+            f"--nnodes {nnodes}: {e}; give the number of nodes, e.g. --nnodes 2"
+        ) from None
+    if low != high:
+        raise ConfigError(
+            f"--nnodes {nnodes}: minippo needs a fixed number of nodes (the batch is split "
+            "over the ranks, and a checkpoint keeps per-rank state); give --nnodes N"
+        )
+    if high < 1:
+        raise ConfigError(
+            f"--nnodes {nnodes}: a run needs at least 1 node; give --nnodes 1 or more"
+        )
+    return per_node * high, per_node
+
+
+def preflight_problems(
+    cfg,
+    recipe_path: Path | None,
+    *,
+    world_size: int,
+    distributed: bool,
+    local_world_size: int | None = None,
+) -> list[str]:
+    """Every check `minippo run` makes before its first expensive step, and `minippo validate`
+    with it: :func:`run_checks` (the recipe's config checks, the input files, output_dir's
+    state), and output_dir named by the launch time on several nodes."""
+    problems = run_checks(
+        cfg,
+        recipe_path,
+        world_size=world_size,
+        distributed=distributed,
+        local_world_size=local_world_size,
+    )
+    per_node = local_world_size or world_size
+    if (
+        world_size > per_node
+        and "output_dir" in getattr(cfg, PER_LAUNCH, ())
+        and not _RUN_TIME_GIVEN
+    ):
+        problems.append(
+            f"output_dir={cfg.output_dir} is named by the launch time (${{now:...}}), which each "
+            "node would read from its own clock; give every node the same output_dir (e.g. "
+            "output_dir=/shared/runs/run1)"
+        )
+    return problems
 
 
 def _recipe_of(recipe: str | None, config: str, cfg) -> Path | None:
@@ -264,10 +381,15 @@ def _recipe_of(recipe: str | None, config: str, cfg) -> Path | None:
     entry = registry.config_entry(config)
     if entry is not None:
         return registry.builtin_recipe_path(entry[0].name)
-    if "rollout" in cfg:
-        return registry.builtin_recipe_path("async_ppo")
+    from minippo.training.preflight import ASYNC_PPO_SCHEMA
+
     eval_keys = ("samples_per_prompt", "samples_path")  # either, should the other be misspelled
-    return registry.builtin_recipe_path("eval") if any(k in cfg for k in eval_keys) else None
+    if "rollout" not in cfg and any(k in cfg for k in eval_keys):
+        return registry.builtin_recipe_path("eval")
+    # an async PPO config, also with a misspelled section (`rollouts:`), which its schema names
+    if "rollout" in cfg or len(set(cfg) & set(ASYNC_PPO_SCHEMA)) >= 3:
+        return registry.builtin_recipe_path("async_ppo")
+    return None
 
 
 def recipe_checks(recipe_path: Path) -> Callable | None:
@@ -311,9 +433,11 @@ def run_checks(
 
 
 def _print_problems(problems: list[str]) -> None:
+    from minippo.config._report import error_lines
+
     print(f"minippo: config has {len(problems)} problem(s):", file=sys.stderr)
-    for p in problems:
-        print(f"  - {p}", file=sys.stderr)
+    for p in problems:  # one line each, in the words of `minippo run`'s error lines
+        print(f"  - {error_lines(ConfigError(p))[0]}", file=sys.stderr)
 
 
 def _run(argv: list[str]) -> int:
@@ -323,11 +447,10 @@ def _run(argv: list[str]) -> int:
     from torch.distributed.run import get_args_parser
 
     launcher = get_args_parser()
+    _check_recipe_first(argv, launcher)
     launcher.prog = "minippo run"
-    try:
-        largs = launcher.parse_args(argv)
-    except SystemExit as e:  # argparse already printed the problem
-        return int(e.code or 2)
+    launcher.error = _launcher_error  # one line, not torchrun's usage
+    largs = launcher.parse_args(argv)
     # any launcher flag before the recipe launches torchrun, also one equal to torchrun's default
     # (`--nproc-per-node 1`: a one-rank process group, which bf16 FSDP2 needs)
     distributed = len(argv) - len(largs.training_script_args) - 1 > 0
@@ -336,20 +459,26 @@ def _run(argv: list[str]) -> int:
     rest = list(largs.training_script_args)
     config, overrides = _split_config(rest)
     cfg_path = _config_path(config)
+    world_size, per_node = (
+        launch_size(largs.nproc_per_node, largs.nnodes) if distributed else (1, 1)
+    )
+    if not _RUN_TIME_GIVEN:
+        new_launch()  # ${now:...}: this launch's time, here and in the ranks started from here
     # Fail fast in the launcher, before any process is started: the config must load.
     cfg = load_config(cfg_path, overrides)
     _add_cwd_to_path()  # modules of the current folder (a user's reward) import, as in Python
 
+    # every check the recipe (each rank) runs first, once here (on each node: its files may
+    # differ), before any rank or model exists; `minippo validate` runs the same
+    problems = preflight_problems(
+        cfg, recipe_path, world_size=world_size, distributed=distributed, local_world_size=per_node
+    )
+    if problems:
+        raise ConfigError("\n".join(problems), problems)
+    from minippo.training.preflight import LAUNCHER_CHECKED_ENV
+
     script_args = ["--config", str(cfg_path), *overrides]
     if distributed:
-        # every check each rank would run first, once here (on each node: its files may differ),
-        # before any rank is started
-        world_size, per_node = _world_size(largs), _local_world_size(largs)
-        problems = run_checks(
-            cfg, recipe_path, world_size=world_size, distributed=True, local_world_size=per_node
-        )
-        if problems:
-            raise ConfigError("\n".join(problems), problems)
         largs.training_script = str(recipe_path)
         largs.training_script_args = script_args
         if largs.master_port == 0:  # "any free port": the ranks must all be told the same one
@@ -360,19 +489,61 @@ def _run(argv: list[str]) -> int:
                 )
             largs.master_port = _free_port()
         # the ranks repeat these checks; their warnings were printed here, once per node
-        from minippo.training.preflight import LAUNCHER_CHECKED_ENV
-
         os.environ[LAUNCHER_CHECKED_ENV] = "1"
-        return _launch(largs)
-    old_argv = sys.argv
+        code = _launch(largs)
+    else:
+        code = _run_here(recipe_path, script_args, LAUNCHER_CHECKED_ENV)
+    if code == 0 and "output_dir" in getattr(cfg, PER_LAUNCH, ()):
+        from minippo.training.output_dir import link_latest
+
+        link_latest(cfg.output_dir)  # <config folder>/latest: this run, which ended well
+    return code
+
+
+def _run_here(recipe_path: Path, script_args: list[str], checked_env: str) -> int:
+    """The recipe in this process, as `python recipe.py <script_args>`; its exit code."""
+    old_argv, old_checked = sys.argv, os.environ.get(checked_env)
     sys.argv = [str(recipe_path), *script_args]
+    os.environ[checked_env] = "1"  # the recipe repeats the checks; their warnings were printed
     try:
         runpy.run_path(str(recipe_path), run_name="__main__")
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         sys.argv = old_argv
+        if old_checked is None:
+            os.environ.pop(checked_env, None)
+        else:
+            os.environ[checked_env] = old_checked
     return 0
+
+
+def _check_recipe_first(argv: list[str], launcher: argparse.ArgumentParser) -> None:
+    """Refuse `run --config X recipe`: only launcher flags go before the recipe."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config" or arg.startswith("--config="):
+            value = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg[9:]
+            after = [a for a in argv[i + 2 :] if not a.startswith("-") and "=" not in a]
+            recipe = after[0] if after else "<recipe>"
+            raise ConfigError(
+                f"--config comes after the recipe: minippo run {recipe} --config {value} "
+                "[key=value ...] (only launcher flags such as --nproc-per-node go before the "
+                "recipe)"
+            )
+        if not arg.startswith("-"):
+            return  # the recipe
+        action = launcher._option_string_actions.get(arg)
+        takes_value = "=" not in arg and action is not None and action.nargs != 0
+        i += 2 if takes_value else 1
+
+
+def _launcher_error(message: str) -> None:
+    raise ConfigError(
+        f"{message} (minippo run [launcher flags] <recipe> --config <config> [key=value ...]; "
+        "launcher flags: minippo run --help)"
+    )
 
 
 def _recipe_path(recipe: str) -> Path:
@@ -401,25 +572,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _local_world_size(largs: argparse.Namespace) -> int:
-    from torch.distributed.run import determine_local_world_size
-
-    return determine_local_world_size(largs.nproc_per_node)
-
-
-def _world_size(largs: argparse.Namespace) -> int:
-    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
-
-    per_node = determine_local_world_size(largs.nproc_per_node)
-    low, high = parse_min_max_nnodes(largs.nnodes)
-    if low != high:
-        raise ConfigError(
-            f"--nnodes {largs.nnodes}: minippo needs a fixed number of nodes (the batch is split "
-            "over the ranks, and a checkpoint keeps per-rank state); give --nnodes N"
-        )
-    return per_node * high
 
 
 def _launch(largs: argparse.Namespace) -> int:

@@ -12,6 +12,10 @@ checked by the recipe's schema, ``minippo.config.schema``.)
 
 A value that starts with ``~/`` (or is ``~``) is a path in the home folder: it is expanded before
 ``${...}`` are resolved, so ``output_dir=~/runs/x`` also moves ``${output_dir}/checkpoints``.
+
+``${now:FORMAT}`` is the launch time in ``time.strftime``'s FORMAT (``${now:%Y%m%d-%H%M%S}``); one
+launch resolves it to one value, in the launcher and in every rank it starts (``MINIPPO_RUN_TIME``,
+seconds since the epoch, carries it to them). The built-in configs name their ``output_dir`` so.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import difflib
 import os
 import re
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -32,6 +37,23 @@ from minippo.config._instantiate import _join
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 _MISSING = object()
+RUN_TIME_ENV = "MINIPPO_RUN_TIME"  # the launch time ${now:...} formats (seconds since the epoch)
+
+
+def new_launch() -> None:
+    """Start a new launch: the next ``${now:...}`` resolved in this process (and in the processes
+    it starts) reads the time of this call."""
+    os.environ[RUN_TIME_ENV] = str(int(time.time()))
+
+
+def _now(fmt: str = "%Y%m%d-%H%M%S") -> str:
+    if RUN_TIME_ENV not in os.environ:
+        new_launch()
+    return time.strftime(fmt, time.localtime(int(os.environ[RUN_TIME_ENV])))
+
+
+if not OmegaConf.has_resolver("now"):  # register_resolver: omegaconf >= 2.4
+    getattr(OmegaConf, "register_resolver", OmegaConf.register_new_resolver)("now", _now)
 
 
 def resolve_config_path(config: str | Path) -> Path:
@@ -43,7 +65,12 @@ def resolve_config_path(config: str | Path) -> Path:
         )
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
-            raise ConfigError(f"config file {str(config)!r} does not exist")
+            from minippo._cli.registry import config_names
+
+            hint = ""
+            if path.stem in config_names() and len(path.parts) == 1:
+                hint = f"; for the built-in config give its name: --config {path.stem}"
+            raise ConfigError(f"config file {str(config)!r} does not exist{hint}")
         return path
     from minippo._cli.registry import builtin_config_path
 
@@ -65,6 +92,11 @@ def load_config(config: str | Path, overrides: Sequence[str] = ()) -> DictConfig
         raise ConfigError(f"cannot parse config {str(path)!r}: {msg}") from e
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"config {str(path)!r} must be a YAML mapping at top level, got a list")
+    if len(cfg) == 0:
+        raise ConfigError(
+            f"config file {str(path)!r} is empty (no keys); start from a built-in config: "
+            f"minippo cp tiny_cpu {path}"
+        )
     apply_overrides(cfg, overrides)
     expand_home(cfg)
     resolve(cfg)
@@ -146,13 +178,27 @@ def resolve(cfg: DictConfig) -> None:
             msg = str(e).splitlines()[0]
             problems.append(f"{path}: cannot resolve interpolation: {msg}")
     if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems), problems)
+        text = problems[0] if len(problems) == 1 else "invalid config:\n  " + "\n  ".join(problems)
+        raise ConfigError(text, problems)
     # which values came from ${...}: a bad value is then reported once, at its source
     object.__setattr__(cfg, INTERPOLATED, frozenset(_interpolated_paths(cfg)))
+    object.__setattr__(cfg, PER_LAUNCH, frozenset(_per_launch_paths(cfg)))
     OmegaConf.resolve(cfg)
 
 
 INTERPOLATED = "_minippo_interpolated"  # attribute of a loaded config: keys that were ${...}
+PER_LAUNCH = "_minippo_per_launch"  # attribute of a loaded config: keys that named ${now:...}
+
+
+def _per_launch_paths(cfg: DictConfig) -> Iterator[str]:
+    for path in leaf_paths(cfg):
+        if "[" in path:
+            continue
+        parent_key, _, leaf = path.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        value = parent._get_node(leaf)._value() if isinstance(parent, DictConfig) else None
+        if isinstance(value, str) and "${now:" in value:
+            yield path
 
 
 def _interpolated_paths(cfg: DictConfig) -> Iterator[str]:

@@ -59,14 +59,16 @@ def _one_line(e: BaseException) -> str:
 def report_error(e: BaseException) -> int:
     """Print ``e`` to stderr (see the module docstring); return the process exit code:
     2 for a config error, 128 + signal for an interrupt, 1 otherwise."""
+    from minippo.training import interrupt
     from minippo.training.interrupt import Interrupted
 
     rank = os.environ.get("RANK")
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if isinstance(e, Interrupted | KeyboardInterrupt):
+    signum = interrupt.received  # a signal arrived: what failed after it failed because of it
+    if isinstance(e, Interrupted | KeyboardInterrupt) or (signum is not None and not debug()):
         if rank in (None, "0"):
             print(str(e) if isinstance(e, Interrupted) else "interrupted", file=sys.stderr)
-        return getattr(e, "exit_code", 130)
+        return getattr(e, "exit_code", 128 + (signum or 2))
     if debug():
         traceback.print_exception(e)
     tag = f"[rank {rank}] " if several else ""

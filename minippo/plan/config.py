@@ -97,6 +97,9 @@ def builder_for_folder(path: Any) -> str | None:
     return name if name in SIZE_BUILDERS else None
 
 
+_NOT_DOWNLOADED_TOLD: set[tuple[str, str]] = set()  # folders the notice below named already
+
+
 def _args_from_hf_folder(path: Any, key: str) -> Any:
     """ModelArgs from ``path/config.json``; when the folder is not downloaded yet but its name is
     a released size (``/models/Qwen3-0.6B``), from that size's builder, saying so."""
@@ -108,6 +111,9 @@ def _args_from_hf_folder(path: Any, key: str) -> Any:
         return model_args_from_hf_config(json.loads(cfg_file.read_text()))
     builder = builder_for_folder(path)
     if builder is not None:
+        if (str(path), builder) in _NOT_DOWNLOADED_TOLD:  # the critic's, or a second plan
+            return getattr(models, builder)()
+        _NOT_DOWNLOADED_TOLD.add((str(path), builder))
         print(
             f"memory plan: {key}={path} is not downloaded; planning the shape of "
             f"minippo.models.{builder}, the size its name gives",

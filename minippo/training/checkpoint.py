@@ -377,19 +377,45 @@ class Checkpointer:
                 raise FileNotFoundError(
                     f"resume_from=latest, but {root / LATEST} does not exist (no checkpoint was "
                     f"saved in {root}); set resume_from=null to start a fresh run, or "
-                    "resume_from=<path to a step_* checkpoint folder>"
+                    "resume_from=<path to a step_* checkpoint folder>" + self._other_runs_hint()
                 )
         else:
             root = Path(resume_from)
         if (root / LATEST).is_file():
             root = root / (root / LATEST).read_text().strip()
         if not (root / "meta.json").is_file():
+            saved = self._saved_steps()
+            example = f"e.g. {saved[-1]}" if saved else f"none is saved in {self.ckpt_dir} yet"
             raise FileNotFoundError(
                 f"{key}={resume_from!s}: {root} is not a complete checkpoint (no meta.json); "
-                f"give a step_* folder (e.g. {self.ckpt_dir / step_dir_name(10)})"
+                f"give a step_* folder ({example})"
                 + (" or 'latest'" if key == "resume_from" else " or the folder holding `latest`")
             )
         return root
+
+    def _saved_steps(self) -> list[Path]:
+        """The complete ``step_*`` folders of ``ckpt_dir``, oldest first."""
+        found = self.ckpt_dir.glob("step_*") if self.ckpt_dir.is_dir() else []
+        return sorted(p for p in found if p.suffix == "" and (p / "meta.json").is_file())
+
+    def _other_runs_hint(self) -> str:
+        """For ``<runs>/<run>/checkpoints`` without a checkpoint: the newest other run folder of
+        ``<runs>`` that has one (the built-in configs start a new folder per launch)."""
+        run = self.ckpt_dir.resolve().parent
+        if self.ckpt_dir.name != "checkpoints" or not run.parent.is_dir():
+            return ""
+        others = [
+            d
+            for d in run.parent.iterdir()
+            if d.is_dir()
+            and not d.is_symlink()
+            and d != run
+            and (d / "checkpoints" / LATEST).is_file()
+        ]
+        if not others:
+            return ""
+        newest = max(others, key=lambda d: (d / "checkpoints" / LATEST).stat().st_mtime)
+        return f"; to resume the run in {newest}: output_dir={newest} resume_from=latest"
 
     def load(
         self,

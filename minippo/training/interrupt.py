@@ -13,6 +13,12 @@ collective whose peer is gone), the process exits at once, keeping the last comp
 exits at once too. Under torchrun the launcher forwards the signal to every rank and waits 30 s
 before killing them, so the default ``grace_s`` is below that.
 
+Ctrl-C reaches every process of the terminal's process group, the engine processes too: a process
+started inside :func:`children_ignore_sigint` ignores it from its first instruction (a spawned
+Python keeps an ignored SIGINT), so one still importing torch prints no KeyboardInterrupt of its
+own; the trainer stops it. An error met after a handled signal is reported as the interrupt
+(``minippo.config.report_error``: "interrupted", exit code 128 + the signal).
+
     interrupt = StopOnSignal().install()
     for step in ...:
         ...train...
@@ -22,11 +28,12 @@ before killing them, so the default ``grace_s`` is below that.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # torchrun waits 30 s after forwarding a signal before it kills the ranks
@@ -44,10 +51,24 @@ class Interrupted(Exception):
     """
 
     def __init__(self, step: int, signum: int) -> None:
-        super().__init__(f"interrupted at step {step}; {RESUME_HINT}")
+        super().__init__(f"interrupted at step {step}; {resume_hint()}")
         self.step = step
         self.signum = signum
         self.exit_code = 128 + signum
+
+
+def resume_hint() -> str:
+    """How to resume: ``resume_from=latest``, and the folder when the config names a new folder
+    per launch (the same command would start a new one)."""
+    from minippo.training.output_dir import claimed_per_launch
+
+    folder = f" output_dir={claimed_per_launch}" if claimed_per_launch is not None else ""
+    return RESUME_HINT + folder
+
+
+# the first signal a StopOnSignal handled in this process (None: none): an error met after it
+# (a process the signal stopped) is reported as the interrupt
+received: int | None = None
 
 
 class StopOnSignal:
@@ -74,6 +95,8 @@ class StopOnSignal:
     def install(self) -> StopOnSignal:
         """Handle the signals from now on (a no-op outside the main thread, where Python cannot
         install handlers)."""
+        global received
+        received = None
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -88,9 +111,10 @@ class StopOnSignal:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
+        global received
         if self.signum is not None:  # a second signal: leave now
             _exit_now(f"interrupted again during step {self.step + 1}; exiting at once", signum)
-        self.signum = signum
+        self.signum = received = signum
         self._deadline = threading.Timer(self.grace_s, self._too_late)
         self._deadline.daemon = True
         self._deadline.start()
@@ -98,7 +122,7 @@ class StopOnSignal:
     def _too_late(self) -> None:
         _exit_now(
             f"interrupted during step {self.step + 1}, which did not end within {self.grace_s:g} s; "
-            f"the last complete checkpoint is kept: {RESUME_HINT}",
+            f"the last complete checkpoint is kept: {resume_hint()}",
             self.signum or signal.SIGTERM,
         )
 
@@ -130,6 +154,22 @@ class StopOnSignal:
             if self._deadline is not None:
                 self._deadline.cancel()
             raise Interrupted(step, self.signum or signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """Processes started in this block ignore SIGINT (Ctrl-C) from their start: wrap the
+    ``Process.start()`` of a helper process that its parent stops (an engine). SIGINT is ignored
+    here for the block's duration (the start of a process: milliseconds); outside the main thread,
+    where Python cannot change handlers, the block does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _exit_now(message: str, signum: int) -> None:

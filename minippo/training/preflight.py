@@ -178,6 +178,7 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
 }
 
 _FILE_FORMATS = ("json", "jsonl", "parquet", "csv", "text", "arrow")
+_ROW_FORMATS = ("json", "jsonl", "parquet", "csv")  # whose first row preflight reads
 # Set by `minippo run` in the ranks it launches: the launcher of their node ran these checks and
 # printed their warnings, so the ranks repeat the checks without printing them again.
 LAUNCHER_CHECKED_ENV = "MINIPPO_LAUNCHER_CHECKED"
@@ -419,7 +420,7 @@ def input_problems(
                 found = check_hf_folder(path)
                 args = found if key == "checkpoint_path" else args
             except (OSError, ValueError) as e:
-                problems.append(f"{key}={path}: {e}")
+                problems.append(f"{key}={path}: {e}" + _latest_hint(path))
     if _get(cfg, "checkpoint_path") is None and "model" in cfg and cfg.model is None:
         problems.append(
             "checkpoint_path and model are both null: set checkpoint_path to an HF folder, or "
@@ -433,6 +434,20 @@ def input_problems(
         problems += context_problems(cfg, args)
     problems += _resume_problems(cfg, world_size, local_world_size)
     return problems
+
+
+def _latest_hint(path: Any) -> str:
+    """For a path through a run folder's ``latest`` link that is not there yet."""
+    parts = Path(str(path)).parts
+    if "latest" not in parts:
+        return ""
+    link = Path(*parts[: parts.index("latest") + 1])
+    if link.exists():
+        return ""
+    return (
+        f" ({link} is written when a run of the config whose folder it is ends well: run that "
+        "first, or give the folder of a run)"
+    )
 
 
 def warn_if_prompts_cycle(num_prompts: int, groups_per_batch: int) -> None:
@@ -484,6 +499,10 @@ def _output_problems(cfg: DictConfig) -> list[str]:
                 f"output_dir={out} lies under the file {_first_existing(path)}; choose another "
                 "output_dir"
             )
+    if not problems and isinstance(out, str) and os.environ.get("RANK", "0") == "0":
+        from minippo.training.output_dir import OutputDir  # what rank 0's claim will refuse
+
+        problems += OutputDir.of_run(cfg).problems()
     ckpt = _get(cfg, "checkpoint.dir")
     if isinstance(ckpt, str) and Path(ckpt).expanduser().is_file():
         problems.append(f"checkpoint.dir={ckpt} is a file, not a folder; choose another folder")
@@ -513,9 +532,10 @@ def _dataset_problems(cfg: DictConfig, key: str) -> list[str]:
         return []
     files = node.data_files
     files = [files] if isinstance(files, str) else list(files)
-    problems = []
+    problems, first = [], None
     for pattern in files:
         matches = sorted(glob.glob(os.path.expanduser(str(pattern))))
+        first = first or (matches[0] if matches else None)
         if not matches:
             problems.append(
                 f"{key}.data_files: {pattern} does not exist; give the path of a {source} file"
@@ -524,7 +544,53 @@ def _dataset_problems(cfg: DictConfig, key: str) -> list[str]:
             why = _data_file_problem(Path(file), source)
             if why:
                 problems.append(f"{key}.data_files: {file} {why}")
+    if not problems and first:  # the loader reads the first row's fields before anything else
+        problems += _field_problems(node, key, Path(first), source)
     return problems
+
+
+def _field_problems(node: DictConfig, key: str, file: Path, source: str) -> list[str]:
+    """``prompt_key`` and ``answer_key`` of ``load_prompt_dataset`` against the first row of its
+    first data file (json lines, a parquet or a csv file), in the loader's words."""
+    component = str(node.get("_component_", ""))
+    if not component.endswith("load_prompt_dataset") or source not in _ROW_FORMATS:
+        return []
+    from minippo.data.loading import _get as get_field
+
+    row = _first_row(file, source)
+    if not isinstance(row, dict):
+        return []
+    problems = []
+    for role, default in (("prompt_key", "question"), ("answer_key", "answer")):
+        try:
+            get_field(row, str(node.get(role, default)), role, f"the rows of {file}")
+        except ValueError as e:
+            problems.append(f"{key}.{e}")
+    return problems
+
+
+def _first_row(file: Path, source: str) -> Any:
+    """The first row of a data file, or None when it cannot be read cheaply."""
+    try:
+        if source == "parquet":
+            import pyarrow.parquet as pq
+
+            batch = next(pq.ParquetFile(file).iter_batches(batch_size=1), None)
+            return batch.to_pylist()[0] if batch is not None and batch.num_rows else None
+        if source == "csv":
+            import csv
+
+            with open(file, encoding="utf-8", newline="") as f:
+                return next(csv.DictReader(f), None)
+        with open(file, encoding="utf-8", errors="replace") as f:
+            first = next((line for line in f if line.strip()), "")
+        try:
+            return json.loads(first)
+        except json.JSONDecodeError:
+            doc = json.loads(file.read_text(encoding="utf-8"))
+            return doc[0] if isinstance(doc, list) and doc else doc
+    except Exception:  # the loader reports what it cannot read
+        return None
 
 
 def _data_file_problem(file: Path, source: str) -> str | None:

@@ -5,7 +5,8 @@ A table of cases, each: the command after ``minippo``, the exit code, a phrase t
 contain, and whether the run may write anything (only the cases that must train a step to meet
 the problem: a reward returning NaN, say). Every other case leaves ``output_dir`` (and any folder
 it resumes) exactly as it was. Each config case also goes through ``minippo validate``, which
-must report the same phrase (exit code 1).
+must report the same phrase (exit code 1), and its first problem must be the run's first error line:
+both call one pre-flight function (``minippo._cli.main.preflight_problems``).
 
 The commands run through the real CLI entry (``minippo._cli.main.main``), all in one subprocess
 so that torch is imported once, each with its own file descriptors 1 and 2 and working folder;
@@ -118,6 +119,23 @@ CASES = [
          out=None),
     yaml_case("yaml_syntax", lambda t: t + "\nbroken: [1, 2\n", "cannot parse config"),
     yaml_case("yaml_not_a_mapping", lambda t: "- a\n- b\n", "must be a YAML mapping"),
+    yaml_case("yaml_empty", lambda t: "", "is empty (no keys); start from a built-in config"),
+    yaml_case("yaml_only_comments", lambda t: "# my config\n", "is empty (no keys)"),
+    yaml_case("yaml_misspelled_section", lambda t: t.replace("\nrollout:", "\nrollouts:"),
+              "unknown config key 'rollouts' (the recipe does not read it); did you mean rollout?"),
+    Case("builtin_config_as_a_file", ["run", "async_ppo", "--config", "tiny_cpu.yaml"], 2,
+         "for the built-in config give its name: --config tiny_cpu", out=None),
+    Case("config_before_recipe", ["run", "--config", "tiny_cpu", "async_ppo"], 2,
+         "--config comes after the recipe: minippo run async_ppo --config tiny_cpu",
+         validate=False, out=None),
+    Case("unknown_launcher_flag", ["run", "--nprc", "2", "async_ppo", "--config", "tiny_cpu"], 2,
+         "unrecognized arguments: --nprc", validate=False, out=None),
+    Case("zero_ranks", ["run", "--nproc-per-node", "0", "async_ppo", "--config", "tiny_cpu",
+                        "output_dir={T}/out"], 2,
+         "--nproc-per-node 0: a run needs at least 1 rank per node"),
+    Case("elastic_nodes", ["run", "--nnodes", "1:2", "async_ppo", "--config", "tiny_cpu",
+                           "output_dir={T}/out"], 2,
+         "--nnodes 1:2: minippo needs a fixed number of nodes"),
     yaml_case("yaml_misspelled_key", lambda t: t.replace("\nlr_scheduler:", "\nlr_schedular:"),
               "unknown config key 'lr_schedular' (the recipe does not read it); did you mean "
               "lr_scheduler?"),
@@ -232,7 +250,7 @@ CASES = [
     Case("groups_not_divisible_by_ranks",
          ["run", "--nproc-per-node", "2", "async_ppo", "--config", "tiny_cpu",
           "output_dir={T}/out", "rollout.groups_per_batch=3"],
-         2, "must be divisible by the number of ranks (2)", validate=False),
+         2, "must be divisible by the number of ranks (2)"),
     Case("correction_missing_two_ranks",  # the contract fires once, in the launcher
          ["run", "--nproc-per-node", "2", "async_ppo", "--config", "tiny_cpu",
           "output_dir={T}/out", "correction=null"],
@@ -240,6 +258,20 @@ CASES = [
     # ---- files
     run_case("output_dir_is_a_file", out="{R}/a_file", phrase="is a file, not a folder",
              extra={"output_dir": "{R}/a_file"}),
+    run_case("output_dir_not_writable", out="{R}/read_only/out", phrase="cannot write in",
+             extra={"output_dir": "{R}/read_only/out"}),
+    run_case("output_dir_holds_a_run", "total_steps=4",
+             phrase=["holds another run's outputs", "resume that run with resume_from=latest"],
+             extra={"resume": None}),
+    run_case("output_dir_in_use", out="{R}/busy", phrase="is in use by another run (pid",
+             extra={"output_dir": "{R}/busy"}),
+    run_case("dataset_no_prompt_field", *PROMPT_FILE_DATASET, "+dataset.source=json",
+             "+dataset.data_files={R}/no_prompt.jsonl",
+             phrase="dataset.prompt_key='question': the rows of {R}/no_prompt.jsonl have no field "
+                    "'question' (its fields: q, answer); set prompt_key to one of them"),
+    run_case("dataset_parquet_no_answer_field", *PROMPT_FILE_DATASET, "+dataset.source=parquet",
+             "+dataset.data_files={R}/good.parquet", "+dataset.answer_key=solution",
+             phrase="dataset.answer_key='solution': the rows of {R}/good.parquet have no field"),
     run_case("checkpoint_dir_is_a_file", "checkpoint.dir={R}/a_file",
              phrase="checkpoint.dir={R}/a_file is a file"),
     run_case("metrics_path_is_a_folder", "metric_logger.path={R}",
@@ -282,7 +314,8 @@ CASES = [
     run_case("resume_without_checkpoint", "resume_from=latest",
              phrase="no checkpoint was saved"),
     run_case("resume_from_not_a_checkpoint", "resume_from={R}",
-             phrase="is not a complete checkpoint"),
+             phrase=["is not a complete checkpoint",
+                     "give a step_* folder (none is saved in {T}/out/checkpoints yet)"]),
     *[
         Case(f"resume_damaged_{name}", [*TINY, "output_dir={T}/out", *FAST, "total_steps=4",
              "resume_from=latest"], 2,
@@ -403,8 +436,16 @@ def resources(tmp_path_factory) -> Path:
     pq.write_table(pa.table({"question": ["a"] * 50, "answer": ["b"] * 50}), res / "good.parquet")
     data = (res / "good.parquet").read_bytes()
     (res / "truncated.parquet").write_bytes(data[: len(data) // 2])
+    (res / "no_prompt.jsonl").write_text('{"q": "3012=", "answer": "3012"}\n')
     (res / "user").mkdir()
     (res / "user" / "my_rewards.py").write_text(REWARDS)
+    (res / "read_only").mkdir()
+    (res / "read_only").chmod(0o555)
+    if os.access(res / "read_only", os.W_OK):  # root writes anywhere: a read-only mount then
+        if os.access("/proc/sys", os.W_OK):
+            pytest.skip("no folder that this user cannot write to")
+        (res / "read_only").rmdir()
+        (res / "read_only").symlink_to("/proc/sys")
 
     hf = res / "hf_good"
     save_pretrained(init_weights(Transformer(qwen3_tiny()), seed=0), hf)
@@ -428,6 +469,29 @@ def resources(tmp_path_factory) -> Path:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return res
+
+
+@pytest.fixture(scope="module")
+def busy(resources):
+    """``{R}/busy``: a folder whose lock a live process holds, as a running run does."""
+    (resources / "busy").mkdir()
+    code = (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, f'pid {os.getpid()} on host, started now'.encode())\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(3600)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(resources / "busy" / ".minippo.lock")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "locked"
+    yield resources / "busy"
+    holder.kill()
+    holder.wait()
 
 
 def _prepare(case: Case, T: Path, res: Path) -> tuple[list[str], Path]:
@@ -460,13 +524,17 @@ def _prepare(case: Case, T: Path, res: Path) -> tuple[list[str], Path]:
 
 
 def _validate_argv(argv: list[str]) -> list[str]:
-    """The `minippo validate` command of a `minippo run async_ppo ...` command."""
+    """The `minippo validate` command of a `minippo run [launcher flags] async_ppo ...` command."""
     i = argv.index("--config")
-    return ["validate", *argv[i:]]
+    flags = []
+    for flag in ("--nproc-per-node", "--nnodes"):
+        if flag in argv[:i]:
+            flags += [flag, argv[argv.index(flag) + 1]]
+    return ["validate", *flags, *argv[i:]]
 
 
 @pytest.fixture(scope="module")
-def results(resources, tmp_path_factory):
+def results(resources, busy, tmp_path_factory):
     """Runs every case (and its validate twin) once; {case id: (run result, validate result,
     state before, state after, filled phrases)}."""
     root = tmp_path_factory.mktemp("cases")
@@ -528,6 +596,9 @@ def test_bad_input(case, results):
         for phrase in phrases:
             assert phrase in check["stderr"], (phrase, check["stderr"][-2000:])
         assert before == after
+        first_run = err.splitlines()[0].removeprefix("minippo: error: ")
+        first_check = check["stderr"].splitlines()[1].removeprefix("  - ")
+        assert first_check == first_run, (first_check, first_run)
 
 
 def test_validate_reports_every_problem_at_once():

@@ -848,7 +848,10 @@ class TorchEngine:
             self._process = ctx.Process(
                 target=_serve_in_child, args=(spec, self._inbox, self._outbox), daemon=True
             )
-            self._process.start()
+            from minippo.training.interrupt import children_ignore_sigint
+
+            with children_ignore_sigint():  # the trainer stops it, not a Ctrl-C at the terminal
+                self._process.start()
             status, _, result = self._read(timeout=start_timeout)
             if status != "ok" or result != "ready":
                 self._process.kill()

@@ -264,12 +264,6 @@ def test_ctrl_c_while_the_run_starts(ctrl_c):
     assert "failed to start" not in proc.stderr and "minippo: error" not in proc.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the TorchEngine process must start inside interrupt.children_ignore_sigint() "
-    "(minippo/engine/torch_engine.py, around self._process.start()); until then it prints the "
-    "KeyboardInterrupt of its torch import",
-)
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_ctrl_c_while_the_run_starts_prints_no_traceback(ctrl_c):
     proc = ctrl_c

@@ -39,8 +39,6 @@ from minippo.training.progress import ProgressBar
 from minippo.training.rank_balance import balance_over_ranks
 from minippo.training.rollout_queue import RolloutQueue
 
-PPO_DEFAULT = dict(pack=True, balance_ranks=True, entropy_coef=0.0,  # ppo keys a config may omit
-                   max_tokens_per_micro_batch=None, score_max_tokens_per_micro_batch=None)  # fmt: skip
 # each rank logs its share of these losses; the logged value is their sum over ranks
 LOSS_SHARES = ("train/loss", "train/policy_loss", "train/kl_loss", "train/value_loss")
 
@@ -110,9 +108,9 @@ class AsyncPPORecipe:
         self.use_ref = cfg.kl.coef > 0
         # weights reach the engines every `sync_every` steps; versions count publishes, so step
         # s trains on data of version s // sync_every or older (docs/recipe.md, "Sync cycles")
-        self.sync_every = int(cfg.rollout.get("sync_every", 1))
+        self.sync_every = int(preflight.setting(cfg, "rollout.sync_every"))
         # ppo and kl as plain attributes: the loop reads them often (a DictConfig lookup: 10-30 µs)
-        self.ppo = SimpleNamespace(**PPO_DEFAULT | OmegaConf.to_container(cfg.ppo, resolve=True))
+        self.ppo = SimpleNamespace(**preflight.section(cfg, "ppo"))  # omitted keys: defaults
         self.kl = SimpleNamespace(**OmegaConf.to_container(cfg.kl, resolve=True))
         self.ckpt_path: Path | None = None  # the last checkpoint saved or loaded
         self.progress = self.queue = self.engine = self.logger = None  # built by setup
@@ -189,14 +187,14 @@ class AsyncPPORecipe:
             seed=cfg.seed * 1000 + self.rank,
             sync_every=self.sync_every,
             mode=rollout_mode(cfg),
-            oversample=float(r.get("oversample", 1.0)),
+            oversample=float(preflight.setting(cfg, "rollout.oversample")),
         )
         if self.is_main and self.queue.mode == "alternate" and self.engine.max_batch_size:
             groups = self.queue.in_flight  # over-provisioned groups per rank
             rows = groups * r.samples_per_prompt
             preflight.warn_if_oversample_waits(rows, groups, self.engine.max_batch_size)
         self.offload = None  # the trainer's state moves to the host while the engine generates
-        if r.get("offload_trainer", False):
+        if preflight.setting(cfg, "rollout.offload_trainer"):
             self.offload = parallel.TrainerOffload(list(self._models().values()))
 
         # Everything a resumed run needs besides the models: Stateful objects, saved by name.
@@ -214,7 +212,7 @@ class AsyncPPORecipe:
         self.checkpointer = Checkpointer(
             cfg.checkpoint.dir,
             keep_last=cfg.checkpoint.keep_last,
-            shared=OmegaConf.select(cfg, "parallel.shared_output_dir", default=True),
+            shared=preflight.setting(cfg, "parallel.shared_output_dir"),
         )
         resume = self.checkpointer.resolve(cfg.resume_from)
         if resume is not None:
@@ -245,7 +243,9 @@ class AsyncPPORecipe:
         model.requires_grad_(trainable)
         if trainable and self.cfg.activation_checkpointing:  # recompute each block in backward
             parallel.apply_activation_checkpointing(model)
-        if self.cfg.get("compile", False):  # fuse each block's small ops, forward and backward
+        if preflight.setting(
+            self.cfg, "compile"
+        ):  # fuse each block's small ops, forward and backward
             parallel.compile_blocks(model)
         if self.dist.distributed:  # a plain single process trains unsharded, in fp32
             dtype = torch_dtype(self.cfg.dtype)

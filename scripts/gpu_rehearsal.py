@@ -480,7 +480,9 @@ def recipe_worker(spec_path: Path) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
     namespace = runpy.run_path(str(ROOT / "recipes" / "async_ppo.py"))
     cfg = load_config(spec["config"], spec["overrides"])
-    probe = PhaseProbe(device or torch.device("cpu"), int(cfg.rollout.get("sync_every", 1)))
+    from minippo.training.preflight import setting
+
+    probe = PhaseProbe(device or torch.device("cpu"), int(setting(cfg, "rollout.sync_every")))
     probe.info.update(
         torch=torch.__version__,
         cuda=torch.version.cuda,

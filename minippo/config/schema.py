@@ -42,15 +42,24 @@ __all__ = [
     "Spec",
     "Str",
     "check_schema",
+    "declared_default",
+    "declared_defaults",
 ]
 
 
-class Spec:
-    """One declared key. ``null``: ``null`` is a valid value; ``optional``: the key may be absent."""
+NO_DEFAULT: Any = object()  # a Spec without a default: the key must be set or is read as absent
 
-    def __init__(self, *, null: bool = False, optional: bool = False) -> None:
+
+class Spec:
+    """One declared key. ``null``: ``null`` is a valid value; ``optional``: the key may be absent;
+    ``default``: the value an absent key stands for (implies ``optional``), stated here once and
+    read through :func:`declared_default` (``minippo.training.preflight.setting``) by every reader
+    of the key."""
+
+    def __init__(self, *, null: bool = False, optional: bool = False, default: Any = NO_DEFAULT):
         self.null = null
-        self.optional = optional
+        self.default = default
+        self.optional = optional or default is not NO_DEFAULT
 
     def describe(self) -> str:
         """What a valid value is, as in "total_steps must be <this>"."""
@@ -74,8 +83,8 @@ class Spec:
 class Anything(Spec):
     """Any value (null included)."""
 
-    def __init__(self, *, optional: bool = False) -> None:
-        super().__init__(null=True, optional=optional)
+    def __init__(self, *, optional: bool = False, default: Any = NO_DEFAULT) -> None:
+        super().__init__(null=True, optional=optional, default=default)
 
 
 def _interval(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
@@ -100,8 +109,9 @@ class _Number(Spec):
         lt: float | None = None,
         null: bool = False,
         optional: bool = False,
+        default: Any = NO_DEFAULT,
     ) -> None:
-        super().__init__(null=null, optional=optional)
+        super().__init__(null=null, optional=optional, default=default)
         self.lo, self.lo_open = (gt, True) if gt is not None else (min, False)
         self.hi, self.hi_open = (lt, True) if lt is not None else (max, False)
 
@@ -151,9 +161,14 @@ class Str(Spec):
     """A string, optionally one of ``choices``."""
 
     def __init__(
-        self, choices: Sequence[str] | None = None, *, null: bool = False, optional: bool = False
+        self,
+        choices: Sequence[str] | None = None,
+        *,
+        null: bool = False,
+        optional: bool = False,
+        default: Any = NO_DEFAULT,
     ) -> None:
-        super().__init__(null=null, optional=optional)
+        super().__init__(null=null, optional=optional, default=default)
         self.choices = sorted(choices) if choices is not None else None
 
     def describe(self) -> str:
@@ -296,3 +311,31 @@ def _declared(keys: Mapping[str, Spec], prefix: str = "") -> Iterator[str]:
         yield path
         if isinstance(spec, Section):
             yield from _declared(spec.keys, f"{path}.")
+
+
+def declared_default(schema: Mapping[str, Spec], key: str) -> Any:
+    """The default the schema states for the dotted ``key`` (``rollout.sync_every``); KeyError when
+    the key is not declared or has no default."""
+    keys: Mapping[str, Spec] = schema
+    *sections, leaf = key.split(".")
+    for name in sections:
+        spec = keys.get(name)
+        if not isinstance(spec, Section):
+            raise KeyError(f"{key}: {name} is not a declared section")
+        keys = spec.keys
+    spec = keys.get(leaf)
+    if spec is None or spec.default is NO_DEFAULT:
+        raise KeyError(f"{key} has no declared default")
+    return spec.default
+
+
+def declared_defaults(schema: Mapping[str, Spec], prefix: str = "") -> dict[str, Any]:
+    """{dotted key: default} of every key the schema gives a default."""
+    out: dict[str, Any] = {}
+    for name, spec in schema.items():
+        key = f"{prefix}{name}"
+        if spec.default is not NO_DEFAULT:
+            out[key] = spec.default
+        if isinstance(spec, Section):
+            out.update(declared_defaults(spec.keys, prefix=key + "."))
+    return out

@@ -93,7 +93,9 @@ def init_distributed(backend: str | None = None, cfg: Any = None) -> DistInfo:
     cuda = torch.cuda.is_available()
     timeout_s = DEFAULT_TIMEOUT_S if cfg is None else process_group_timeout_s(cfg)
     if cfg is not None:
-        apply_deterministic(_select(cfg, "deterministic", False))
+        from minippo.training.preflight import setting
+
+        apply_deterministic(setting(cfg, "deterministic"))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         device, _ = placement(0, cuda=cuda, device_count=torch.cuda.device_count() if cuda else 0)
         _check_device(device, cfg)
@@ -130,9 +132,9 @@ def _select(cfg: Any, key: str, default: Any) -> Any:
 def process_group_timeout_s(cfg: Any) -> float:
     """``parallel.timeout_s`` of ``cfg``, else :data:`DEFAULT_TIMEOUT_S` (the key is optional).
     Raises ValueError naming the key for a value that is not a positive number."""
-    value = _select(cfg, "parallel.timeout_s", None)
-    if value is None:
-        return DEFAULT_TIMEOUT_S
+    from minippo.training.preflight import setting  # the schema states the default
+
+    value = setting(cfg, "parallel.timeout_s")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(
             f"parallel.timeout_s must be a number of seconds > 0, got {value!r}; omit it for the "

@@ -30,8 +30,9 @@ MESH_DIMS = ("replicate", "shard")
 
 def sharding_of(cfg: Any) -> str:
     """``parallel.sharding`` of a run config (``fsdp`` when the section or key is absent)."""
-    node = cfg.get("parallel") if hasattr(cfg, "get") else None
-    sharding = (node.get("sharding") if node is not None else None) or "fsdp"
+    from minippo.training.preflight import setting  # the schema states the default
+
+    sharding = setting(cfg, "parallel.sharding")
     if sharding not in SHARDINGS:
         raise ValueError(f"parallel.sharding={sharding!r} must be one of {', '.join(SHARDINGS)}")
     return sharding

@@ -42,6 +42,7 @@ from minippo.rl.advantages import needs_critic
 from minippo.rl.correction.base import WeightCopies
 from minippo.training.optimizers import optimizer_spec
 from minippo.training.placement import rollout_mode, sglang_on_gpu
+from minippo.training.preflight import setting
 
 __all__ = [
     "DEFAULT_GPU_MEM_GIB",
@@ -181,7 +182,7 @@ def _micro_batch_rows(cfg: DictConfig, world_size: int, seq_len: int) -> int:
         _select(cfg, "ppo.micro_batch_size")  # the key is missing: its error
     if rows is not None:
         return int(rows)
-    tokens = _select(cfg, "ppo.max_tokens_per_micro_batch", None)
+    tokens = setting(cfg, "ppo.max_tokens_per_micro_batch")
     if tokens is not None:
         return forward_tokens(tokens, seq_len) // seq_len
     groups = int(_select(cfg, "rollout.groups_per_batch"))
@@ -197,7 +198,7 @@ def _score_rows(cfg: DictConfig, world_size: int, seq_len: int) -> int:
     rows = _select(cfg, "ppo.score_micro_batch_size", None)
     if rows is not None:
         return int(rows)
-    tokens = _select(cfg, "ppo.score_max_tokens_per_micro_batch", None)
+    tokens = setting(cfg, "ppo.score_max_tokens_per_micro_batch")
     if tokens is not None:
         return forward_tokens(tokens, seq_len) // seq_len
     groups = int(_select(cfg, "rollout.groups_per_batch"))
@@ -318,7 +319,7 @@ def _rows_in_flight(cfg: DictConfig, ranks: int) -> int:
     alternate mode ``ceil(... x rollout.oversample)``) of ``samples_per_prompt`` each."""
     groups = int(_select(cfg, "rollout.groups_per_batch")) // ranks
     if rollout_mode(cfg) == "alternate":  # as RolloutQueue.in_flight
-        groups = math.ceil(groups * float(_select(cfg, "rollout.oversample", 1.0)) - 1e-9)
+        groups = math.ceil(groups * float(setting(cfg, "rollout.oversample")) - 1e-9)
     return max(1, groups * int(_select(cfg, "rollout.samples_per_prompt")))
 
 
@@ -388,8 +389,8 @@ def plan_inputs_from_config(
     step = None  # what one training step runs, for the bytes it sends across nodes
     if nnodes > 1:
         step = _step_shape(cfg, ranks, micro_batch, score_rows)
-    micro_tokens = _select(cfg, "ppo.max_tokens_per_micro_batch", None)
-    score_tokens = _select(cfg, "ppo.score_max_tokens_per_micro_batch", None)
+    micro_tokens = setting(cfg, "ppo.max_tokens_per_micro_batch")
+    score_tokens = setting(cfg, "ppo.score_max_tokens_per_micro_batch")
     return PlanInputs(
         actor=actor,
         critic=critic,
@@ -405,7 +406,7 @@ def plan_inputs_from_config(
         micro_batch=micro_batch,
         seq_len=seq_len,
         response_len=response,
-        packed=bool(_select(cfg, "ppo.pack", True)),
+        packed=bool(setting(cfg, "ppo.pack")),
         micro_tokens=None if micro_tokens is None else int(micro_tokens),
         score_tokens=None if score_tokens is None else int(score_tokens),
         activation_checkpointing=bool(_select(cfg, "activation_checkpointing")),
@@ -416,13 +417,13 @@ def plan_inputs_from_config(
             OmegaConf.select(cfg, "correction", default=None),
             max_staleness=max_staleness,
             partial_rollout=bool(_select(cfg, "rollout.partial_rollout")),
-            sync_every=int(_select(cfg, "rollout.sync_every", 1)),
+            sync_every=int(setting(cfg, "rollout.sync_every")),
         ),
         score_rows=score_rows,
         engine_mem_fraction=None if fraction is None else float(fraction),
         torch_engine=torch_engine,
         rollout_mode=rollout_mode(cfg),
-        offload_trainer=bool(_select(cfg, "rollout.offload_trainer", False)),
+        offload_trainer=bool(setting(cfg, "rollout.offload_trainer")),
         engine_weights_host_copy=bool(engine.get("weights_cpu_backup", False)),
         gpu_mem_bytes=gpu,
     )
@@ -457,7 +458,7 @@ def _step_shape(cfg: DictConfig, ranks: int, micro_batch: int, score_rows: int) 
         minibatches=int(_select(cfg, "ppo.minibatches")),
         epochs=int(_select(cfg, "ppo.epochs")),
         score_rows=score_rows,
-        sync_every=int(_select(cfg, "rollout.sync_every", 1)),
+        sync_every=int(setting(cfg, "rollout.sync_every")),
         engine_bytes=_engine_bytes(cfg),
     )
 

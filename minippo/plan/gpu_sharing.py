@@ -35,6 +35,7 @@ from minippo.plan.config import (
 )
 from minippo.plan.formula import ALLOCATOR_SLACK_BYTES, GiB
 from minippo.training.placement import rollout_mode, sglang_on_gpu
+from minippo.training.preflight import setting
 
 __all__ = [
     "ReservedLive",
@@ -97,7 +98,7 @@ def shared_gpu_problems(
                 f"(now {memory_mode}): only then does the engine release its weights and KV "
                 "cache while the trainer trains; set engine.memory_mode=sleep"
             ]
-        if OmegaConf.select(cfg, "rollout.share_gpu_with_engine", default=False) is not True:
+        if setting(cfg, "rollout.share_gpu_with_engine") is not True:
             absent = OmegaConf.select(cfg, "rollout.mode", default=None) is None
             return [
                 "rollout.mode=overlap"

@@ -75,11 +75,13 @@ class OutputDir:
             outputs.append(cfg.metric_logger.path)
         if isinstance(cfg.get("samples_path"), str):
             outputs.append(cfg.samples_path)
+        from minippo.training.preflight import setting
+
         out = cls(
             root,
             outputs,
             resume=cfg.get("resume_from") not in (None, "", "null"),
-            overwrite=bool(cfg.get("overwrite_output_dir", False)),
+            overwrite=bool(setting(cfg, "overwrite_output_dir")),  # the schema's default
         )
         out.per_launch = "output_dir" in getattr(cfg, PER_LAUNCH, ())
         return out

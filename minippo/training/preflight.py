@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from minippo.config import ConfigError, instantiate, validate
 from minippo.config.schema import (
+    NO_DEFAULT,
     Anything,
     Bool,
     Component,
@@ -46,22 +47,26 @@ from minippo.config.schema import (
     Spec,
     Str,
     check_schema,
+    declared_default,
 )
 from minippo.engine.quantize import QUANT_FORMATS
+from minippo.parallel.distributed import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
 # What recipes/async_ppo.py reads. Component nodes list only the arguments checked for a range;
-# the others are bound to the callable's signature. Keys: docs/configs.md.
+# the others are bound to the callable's signature. Keys: docs/configs.md. A key a config may omit
+# states its default here, once; every reader (the recipe, `validate`, `minippo plan`) reads it
+# through `setting` (tests/unit/test_config.py finds a default written anywhere else).
 ASYNC_PPO_SCHEMA: dict[str, Spec] = {
     "output_dir": Str(),
-    "overwrite_output_dir": Bool(optional=True),
+    "overwrite_output_dir": Bool(default=False),
     "seed": Int(min=0),
     "total_steps": Int(min=1),
     "dtype": Dtype(),
     "activation_checkpointing": Bool(),
-    "compile": Bool(optional=True),
-    "deterministic": Bool(optional=True),
+    "compile": Bool(default=False),
+    "deterministic": Bool(default=False),
     "publish_bucket_mb": Float(gt=0),
     "cpu_threads": Int(min=1, null=True),
     "checkpoint_path": Str(null=True),
@@ -80,10 +85,10 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
     "rollout": Section(
         {
             "mode": Str(("alternate", "overlap"), optional=True),
-            "oversample": Float(min=1, optional=True),
-            "offload_trainer": Bool(optional=True),
-            "share_gpu_with_engine": Bool(optional=True),
-            "sync_every": Int(min=1, optional=True),
+            "oversample": Float(min=1, default=1.0),
+            "offload_trainer": Bool(default=False),
+            "share_gpu_with_engine": Bool(default=False),
+            "sync_every": Int(min=1, default=1),
             "max_staleness": Int(min=0),
             "partial_rollout": Bool(),
             "groups_per_batch": Int(min=1),
@@ -120,14 +125,14 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
             "minibatches": Int(min=1),
             "micro_batch_size": Int(min=1, null=True),
             "score_micro_batch_size": Int(min=1, null=True),
-            "pack": Bool(optional=True),
-            "balance_ranks": Bool(optional=True),
-            "max_tokens_per_micro_batch": Int(min=1, null=True, optional=True),
-            "score_max_tokens_per_micro_batch": Int(min=1, null=True, optional=True),
+            "pack": Bool(default=True),
+            "balance_ranks": Bool(default=True),
+            "max_tokens_per_micro_batch": Int(min=1, null=True, default=None),
+            "score_max_tokens_per_micro_batch": Int(min=1, null=True, default=None),
             "clip_low": Float(min=0, lt=1),
             "clip_high": Float(min=0),
             "dual_clip": Float(gt=1, null=True),
-            "entropy_coef": Float(min=0, optional=True),
+            "entropy_coef": Float(min=0, default=0.0),
             "value_clip": Float(gt=0, null=True),
             "loss_agg_mode": Str(("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")),
             "max_grad_norm": Float(gt=0),
@@ -165,9 +170,9 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
     "progress_bar": Bool(),
     "parallel": Section(
         {
-            "sharding": Str(("fsdp", "hsdp"), optional=True),
-            "shared_output_dir": Bool(optional=True),
-            "timeout_s": Float(gt=0, optional=True),
+            "sharding": Str(("fsdp", "hsdp"), default="fsdp"),
+            "shared_output_dir": Bool(default=True),
+            "timeout_s": Float(gt=0, default=DEFAULT_TIMEOUT_S),
         },
         optional=True,
     ),
@@ -176,6 +181,23 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
     "nnodes": Int(min=1, optional=True),
     "device": Anything(optional=True),
 }
+
+_MISSING = object()
+
+
+def setting(cfg: Any, key: str) -> Any:
+    """The value of the dotted ``key`` in ``cfg``, or the default ``ASYNC_PPO_SCHEMA`` states for it
+    when the config omits it (KeyError for a key without a declared default)."""
+    value = OmegaConf.select(cfg, key, default=_MISSING)
+    return declared_default(ASYNC_PPO_SCHEMA, key) if value is _MISSING else value
+
+
+def section(cfg: Any, name: str) -> dict[str, Any]:
+    """A section's keys as plain (resolved) values, each omitted key at its declared default."""
+    keys = ASYNC_PPO_SCHEMA[name].keys
+    defaults = {k: spec.default for k, spec in keys.items() if spec.default is not NO_DEFAULT}
+    return defaults | OmegaConf.to_container(cfg[name], resolve=True)
+
 
 _FILE_FORMATS = ("json", "jsonl", "parquet", "csv", "text", "arrow")
 _ROW_FORMATS = ("json", "jsonl", "parquet", "csv")  # whose first row preflight reads
@@ -277,7 +299,7 @@ def async_ppo_shape_problems(cfg: DictConfig, world_size: int, distributed: bool
                 f"ppo.{rows_key} ({ppo[rows_key]}) and ppo.{tokens_key} ({ppo[tokens_key]}) "
                 f"both size the same forwards; set one of them to null"
             )
-        elif ppo.get(tokens_key) is not None and not ppo.get("pack", True):
+        elif ppo.get(tokens_key) is not None and not setting(cfg, "ppo.pack"):
             problems.append(
                 f"ppo.{tokens_key} ({ppo[tokens_key]}) counts real tokens, which bound a "
                 f"forward only when it computes on them: set ppo.pack=true, or ppo.{rows_key} "
@@ -294,13 +316,14 @@ def async_ppo_shape_problems(cfg: DictConfig, world_size: int, distributed: bool
             f"({cfg.total_steps}))"
         )
     if rollout_mode(cfg) == "overlap":
-        for key, value in (("oversample", 1.0), ("offload_trainer", False)):
-            if r.get(key, value) != value:
+        for key in ("oversample", "offload_trainer"):
+            value = declared_default(ASYNC_PPO_SCHEMA, f"rollout.{key}")
+            if setting(cfg, f"rollout.{key}") != value:
                 problems.append(
                     f"rollout.{key}={r[key]} needs rollout.mode=alternate (generation between "
                     f"training steps); set rollout.mode=alternate or rollout.{key}={value}"
                 )
-    sync_every = r.get("sync_every", 1)
+    sync_every = setting(cfg, "rollout.sync_every")
     if rollout_mode(cfg) == "alternate":
         if sync_every > 1:
             problems.append(
@@ -308,7 +331,7 @@ def async_ppo_shape_problems(cfg: DictConfig, world_size: int, distributed: bool
                 "engine to sleep after every batch (its weights are released) and wakes it only "
                 "to take new weights; set rollout.sync_every=1 or rollout.mode=overlap"
             )
-        if r.get("oversample", 1.0) > 1 and r.max_staleness == 0:
+        if setting(cfg, "rollout.oversample") > 1 and r.max_staleness == 0:
             problems.append(
                 f"rollout.oversample={r.oversample} carries groups into the next step, and with "
                 "rollout.max_staleness=0 every carried token is too old: all of them would restart "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +172,40 @@ def test_apply_overrides_in_place():
     cfg = OmegaConf.create({"a": {"b": 1}})
     apply_overrides(cfg, ["a.b=2", "+a.c=[1,2]"])
     assert cfg.a.b == 2 and list(cfg.a.c) == [1, 2]
+
+
+def test_each_default_is_stated_once_in_the_schema():
+    """A key a config may omit has its default in ``ASYNC_PPO_SCHEMA`` and nowhere else: no reader
+    in the package, the recipes, the scripts or the benchmarks writes it again as
+    ``.get("<key>", <value>)`` or ``select(cfg, "<section.key>", <value>)`` (they read
+    ``preflight.setting``), so a default cannot differ between the recipe, ``validate`` and
+    ``minippo plan``."""
+    import re
+
+    from minippo.config.schema import declared_defaults
+    from minippo.training.preflight import ASYNC_PPO_SCHEMA, section, setting
+
+    defaults = declared_defaults(ASYNC_PPO_SCHEMA)
+    assert {"rollout.sync_every", "rollout.oversample", "ppo.pack", "parallel.timeout_s"} <= set(
+        defaults
+    )
+    root = Path(__file__).resolve().parents[2]
+    files = [
+        p for d in ("minippo", "recipes", "scripts", "benchmarks") for p in (root / d).rglob("*.py")
+    ]
+    found = []
+    for key in defaults:
+        leaf = re.escape(key.rsplit(".", 1)[-1])
+        patterns = [
+            re.compile(rf"""\.get\(\s*["']{leaf}["']\s*,"""),
+            re.compile(rf"""select\([^)\n]*["']{re.escape(key)}["']\s*,"""),
+        ]
+        for path in files:
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if any(p.search(line) for p in patterns):
+                    found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not found, "a default written outside the schema:\n" + "\n".join(found)
+    # an omitted key reads as its default, a given one as given
+    cfg = OmegaConf.create({"rollout": {"sync_every": 3}, "ppo": {"epochs": 2}})
+    assert setting(cfg, "rollout.sync_every") == 3 and setting(cfg, "rollout.oversample") == 1.0
+    assert section(cfg, "ppo")["pack"] is True and section(cfg, "ppo")["epochs"] == 2

@@ -88,9 +88,9 @@ def test_main_job_twice_keeps_both_runs(tmp_path):
             # eval reads the newest finished run through `latest`
             ["validate", "--config", "tiny_eval_cpu", f"checkpoint_path={runs}/latest/hf_export",
              f"output_dir={tmp_path}/eval"],
-            # resume names the run's folder
-            ["validate", "--config", str(copy), f"output_dir={runs}/latest", "resume_from=latest",
-             "total_steps=4"],
+            # resume names the run's folder (and keeps what the run trained: SHORT's batch)
+            ["validate", "--config", str(copy), *SHORT, f"output_dir={runs}/latest",
+             "resume_from=latest", "total_steps=4"],
             # a fresh launch that asks to resume is told where the earlier runs are
             ["validate", "--config", str(copy), "resume_from=latest", "total_steps=4"],
             # an explicit output_dir keeps one run per folder

@@ -148,7 +148,7 @@ def test_attention_layer_equals_the_formula_written_out(padded):
         allowed = torch.ones(1, 1, S, S, dtype=torch.bool).tril()
         mask = torch.zeros(1, 1, S, S).masked_fill_(~allowed, float("-inf"))
     with torch.no_grad():
-        got = attn(x[0], cos, sin, mask, None, 0, 0)  # the blocks take rows of tokens [B·S, D]
+        got = attn(x[0], cos, sin, mask, None, 0)  # the blocks take rows of tokens [B·S, D]
         want = attention_by_hand(attn, x[0], args.n_heads, args.n_kv_heads, args.rope_theta, 1e-6)
     # float32 chain of dot products of length ≤ max(D, H·hd) = 64 plus the RoPE angle rounding:
     # ≤ 64·u relative per stage over 4 stages (projection, scores, softmax·v, output), applied

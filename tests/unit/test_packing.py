@@ -213,7 +213,7 @@ def test_packed_attention_layer_equals_the_formula_written_out():
     x = torch.randn(sum(lengths), args.dim, generator=torch.Generator().manual_seed(4))
     cos, sin = _rope_tables(*rope_cos_sin(rope_inv_freq(args), lay.positions, torch.float32))
     with torch.no_grad():
-        got = attn(x, cos, sin, lay, None, 0, 0)
+        got = attn(x, cos, sin, lay, None, 0)
         want = torch.cat(
             [
                 layer_by_hand(attn, x[:6], args.n_heads, args.n_kv_heads, args.rope_theta, 1e-6),

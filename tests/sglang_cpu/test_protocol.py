@@ -78,6 +78,10 @@ class FreshView:
     def dtype(self) -> torch.dtype:
         return self._engine.dtype
 
+    @property
+    def max_batch_size(self) -> int | None:
+        return self._engine.max_batch_size
+
     def _local(self, c: Completion) -> Completion:
         return dataclasses.replace(c, versions=[v - self._base for v in c.versions])
 

@@ -3,6 +3,7 @@
     python benchmarks/learning_sweep.py --config tiny_cpu --seeds 0-59
     python benchmarks/learning_sweep.py --config tiny_cpu --seeds 0-59 rollout.samples_per_prompt=8
     python benchmarks/learning_sweep.py --config tiny_math_cpu --seeds 0-9 --score eval/pass@1
+    python benchmarks/learning_sweep.py --config tiny_cpu --seeds 0-59 --jobs 2   # figures only
 
 Runs ``minippo run async_ppo --config <config> seed=<k> <overrides>`` for each seed, one at a time,
 and reads each run's metrics.jsonl. Per seed: the final score (the mean of the last 5 logged values
@@ -17,6 +18,8 @@ run's figures; ``--quick`` runs one seed of 4 small steps (the test that keeps t
 Wall times depend on the machine and its load (the summary line names both); the learning figures
 of a seed are the same on one machine whatever the load (the runs are seeded), and differ between
 CPUs in the last bits of the arithmetic, which compound over an RL run: compare distributions.
+``--jobs N`` runs N seeds at once: the same learning figures, sooner; its seconds are then
+contended, so time runs with ``--jobs 1`` on a quiet machine.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import json
 import statistics
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from _common import DEFAULT_OUT, RecipeRun, machine, markdown_table, run_recipe
@@ -93,27 +97,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT / "learning_sweep")
     p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     p.add_argument("--quick", action="store_true", help="one seed, 4 small steps")
+    p.add_argument(
+        "--jobs", type=int, default=1,
+        help="runs at once: the learning figures are the same (seeded), the seconds are not",
+    )  # fmt: skip
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     a = p.parse_args(argv)
     if a.quick:
         a.seeds = [0]
         a.overrides += QUICK
 
-    rows = []
-    for seed in a.seeds:
+    def one(seed: int) -> dict:
         run = run_recipe([f"seed={seed}", *a.overrides], a.out / f"seed{seed}", config=a.config)
         if run.returncode != 0:
-            print(f"seed {seed}: the run failed (exit {run.returncode}):\n{run.log_tail}")
-            return 1
+            raise RuntimeError(
+                f"seed {seed}: the run failed (exit {run.returncode}):\n{run.log_tail}"
+            )
         row = {"seed": seed, "wall_s": run.wall_s, **outcome(run, a.score, a.bar, a.high)}
-        rows.append(row)
         print(f"seed {seed:3d}: final {fmt(row['final'])}, first step >= {a.bar} "
               f"{fmt(row['first_step'])}, {run.wall_s:.1f} s", flush=True)  # fmt: skip
+        return row
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+            rows = list(pool.map(one, a.seeds))
+    except RuntimeError as e:
+        print(e)
+        return 1
     s = summary(rows, a.target, a.bar)
     command = "python benchmarks/learning_sweep.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
-    print(f"\n{command}\n{machine()}")
+    print(f"\n{command}\n{machine()}" + (f", {a.jobs} runs at once" if a.jobs > 1 else ""))
     print(
         f"{s['at_or_above_target']} of {s['seeds']} seeds >= {a.target}, {s['below_bar']} below "
         f"{a.bar}; final min {fmt(s['min'])}, mean {fmt(s['mean'])}; median first step >= {a.bar}: "

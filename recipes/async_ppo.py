@@ -336,6 +336,7 @@ class AsyncPPORecipe:
                     rewards = rewards - beta * rl.masked_sum(kl_tok, mask, dim=1)
                 advantages = rl.group_advantages(rewards, batch.group_ids, mask, **cfg.grpo)
                 returns = None
+            metrics["train/advantage_zero_frac"] = rl.near_zero_fraction(advantages, mask, rewards)
             if cfg.ppo.whiten_advantages:
                 advantages = rl.masked_whiten(advantages, mask)  # statistics of all ranks
 

@@ -27,6 +27,7 @@ from minippo.rl.losses import (
     ValueStats,
     as_metrics,
     explained_variance,
+    near_zero_fraction,
     policy_loss,
     value_loss,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "near_zero_fraction",
     "needs_critic",
     "place_sequence_rewards",
     "policy_loss",

@@ -271,3 +271,24 @@ def explained_variance(
             return float("nan")
         var_residual = float(masked_var((returns - values).double(), response_mask))
         return 1.0 - var_residual / var_returns
+
+
+def near_zero_fraction(
+    advantages: torch.Tensor, response_mask: torch.Tensor, rewards: torch.Tensor, rtol: float = 1e-3
+) -> float:
+    """The share of response tokens whose advantage is about 0: |A| ≤ rtol × (max − min of the
+    batch's rewards). Such tokens carry no learning signal (GRPO: every sample of their group
+    scored the same; GAE: the critic predicted the outcome). A share that climbs while the reward
+    is flat below its maximum is a run that has stopped learning (docs/learning.md).
+
+    Args:
+        advantages: float [B, R], before whitening; response_mask: [B, R]; rewards: float [B].
+    """
+    _check_shapes(advantages, response_mask=response_mask)
+    with torch.no_grad():
+        valid = response_mask > 0
+        n = int(valid.sum())
+        if n == 0:
+            return float("nan")
+        tol = rtol * float(rewards.max() - rewards.min()) if rewards.numel() else 0.0
+        return float((valid & (advantages.abs() <= tol)).sum()) / n

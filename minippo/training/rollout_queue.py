@@ -935,7 +935,15 @@ def batch_metrics(
         "rollout/multi_version_fraction": float(spans.float().mean()),
     }
     if has_rewards:
-        metrics["rollout/reward_mean"] = float(batch.rewards.mean())
+        r = batch.rewards.double()
+        _, group = torch.unique(batch.group_ids, return_inverse=True)
+        n_groups = int(group.max()) + 1 if r.numel() else 0
+        hi = torch.full((n_groups,), -torch.inf, dtype=r.dtype).scatter_reduce(0, group, r, "amax")
+        lo = torch.full((n_groups,), torch.inf, dtype=r.dtype).scatter_reduce(0, group, r, "amin")
+        metrics["rollout/reward_mean"] = float(r.mean())
+        metrics["rollout/reward_std"] = float(r.std(correction=0))
+        # groups whose samples all scored the same: no signal for GRPO, little for a critic
+        metrics["rollout/zero_variance_groups"] = float((hi == lo).double().mean())
     return metrics
 
 

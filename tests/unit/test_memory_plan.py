@@ -737,9 +737,8 @@ def test_a_released_size_is_planned_without_its_download(tmp_path, capsys):
     assert builder_for_folder(tmp_path / "my-model") is None
     from minippo.config import load_config
     from minippo.models import qwen3_0_6b
-    from minippo.plan.config import plan_inputs_from_config
-
     from minippo.plan import config as plan_config
+    from minippo.plan.config import plan_inputs_from_config
 
     plan_config._NOT_DOWNLOADED_TOLD.clear()  # said once per process: another test may have
     cfg = load_config("qwen3_0_6b_gsm8k_1gpu", [])

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from minippo.rl.losses import explained_variance, policy_loss, value_loss
+from minippo.rl.losses import explained_variance, near_zero_fraction, policy_loss, value_loss
 
 
 def test_policy_loss_by_hand_asymmetric_clip():
@@ -158,6 +158,19 @@ def test_explained_variance():
     assert explained_variance(values, returns, mask) == pytest.approx(1 - var_res / 1.0)
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
     assert math.isnan(explained_variance(values, torch.ones(1, 4), mask))
+
+
+def test_near_zero_fraction_counts_response_tokens_within_the_reward_scale():
+    adv = torch.tensor([[0.0, 0.0009, -0.0011, 0.5], [-0.001, 2.0, 7.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    rewards = torch.tensor([0.0, 1.0])  # range 1: |A| <= 1e-3 is "zero"
+    # counted: 0.0, 0.0009, -0.001 of the 6 response tokens; padding (7.0, 0.0) never counts
+    assert near_zero_fraction(adv, mask, rewards) == pytest.approx(3 / 6)
+    # the tolerance follows the reward scale: rewards 10x larger, 10x the tolerance
+    assert near_zero_fraction(adv, mask, rewards * 10) == pytest.approx(4 / 6)
+    # equal rewards: only exact zeros count (GRPO gives every token of a constant group 0)
+    assert near_zero_fraction(adv, mask, torch.ones(2)) == pytest.approx(1 / 6)
+    assert math.isnan(near_zero_fraction(adv, torch.zeros(2, 4), rewards))
 
 
 def test_nan_in_padding_never_reaches_loss_or_grad():

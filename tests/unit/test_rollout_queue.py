@@ -538,3 +538,28 @@ def test_queue_with_torch_engine(tiny, partial):
                 named = [(n, p.detach()) for n, p in tiny[step + 1].named_parameters()]
                 q.publish([named], version=step + 1)
         q.close()
+
+
+def test_batch_metrics_reward_spread_and_zero_variance_groups():
+    from minippo.rl.types import RolloutBatch
+    from minippo.training.rollout_queue import batch_metrics
+
+    # 3 groups of 2: group 0 scored (1, 1), group 1 (0, 0.5), group 2 (0.25, 0.25)
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.5, 0.25, 0.25])
+    B = rewards.numel()
+    batch = RolloutBatch(
+        input_ids=torch.zeros(B, 3, dtype=torch.long),
+        attention_mask=torch.ones(B, 3, dtype=torch.bool),
+        position_ids=torch.arange(3).expand(B, 3),
+        response_mask=torch.ones(B, 1),
+        rollout_logprobs=torch.zeros(B, 1),
+        versions=torch.zeros(B, 1, dtype=torch.long),
+        rewards=rewards,
+        group_ids=torch.tensor([7, 7, 3, 3, 9, 9]),
+        truncated=torch.zeros(B, dtype=torch.bool),
+    )
+    m = batch_metrics(batch, 1.0, has_rewards=True)
+    assert m["rollout/zero_variance_groups"] == pytest.approx(2 / 3)
+    assert m["rollout/reward_mean"] == pytest.approx(0.5)
+    assert m["rollout/reward_std"] == pytest.approx(float(rewards.std(correction=0)))
+    assert "rollout/zero_variance_groups" not in batch_metrics(batch, 1.0, has_rewards=False)

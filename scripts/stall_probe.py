@@ -1,6 +1,6 @@
 """Where the policy gradient of a tiny_cpu run pushes each symbol, step by step (a diagnosis probe).
 
-    python benchmarks/stall_probe.py --out /tmp/diag/p23.jsonl -- --config tiny_cpu seed=23 \
+    python scripts/stall_probe.py --out /tmp/diag/p23.jsonl -- --config tiny_cpu seed=23 \
         output_dir=/tmp/diag/p23 overwrite_output_dir=true progress_bar=false checkpoint.export_hf=false
 
 Runs the async_ppo recipe unchanged, with read-only hooks around it (docs/learning-stalls-diagnosis.md
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -42,10 +41,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minippo import models, rl  # noqa: E402
-from minippo.config._parse import parse_recipe_args  # noqa: E402
-from minippo.models.fused_policy_loss import _agg_coef  # noqa: E402
-from minippo.models.tokenizer import TinyTokenizer  # noqa: E402
+from minippo import models, rl
+from minippo.config._parse import parse_recipe_args
+from minippo.models.fused_policy_loss import _agg_coef
+from minippo.models.tokenizer import TinyTokenizer
+
 
 def _load_recipe():
     """recipes/async_ppo.py as a module (recipes/ is scripts, not a package)."""
@@ -69,7 +69,7 @@ class Probe:
         self.grad_steps, self.kl_threshold = grad_steps, kl_threshold
         tok = TinyTokenizer()
         self.sym = torch.tensor(tok.encode(alphabet))  # token ids of the symbols
-        self.names = list(alphabet) + ["x"]
+        self.names = [*alphabet, "x"]
         self.length = length
         strings = torch.tensor(list(itertools.product(self.sym.tolist(), repeat=length)))
         bos, eq = tok.bos_id, tok.encode("=")[0]
@@ -206,7 +206,7 @@ class Probe:
         outs, keys = [], []
         for t in range(len(self.sym)):
             for s in range(len(self.sym) + 1):
-                cell = (T == t) & (S == s) & kept
+                cell = T.eq(t) & S.eq(s) & kept
                 if not cell.any():
                     continue
                 for c in COMPS:
@@ -232,7 +232,7 @@ class Probe:
         norm = g.norm().item()
         clipf = min(1.0, max_norm / (norm + 1e-6))
         group = optimizer.param_groups[0]
-        beta1, beta2 = group["betas"]
+        _, beta2 = group["betas"]
         eps, lr = group["eps"], group["lr"]
         vs, k = [], 1
         for p in params:
@@ -297,7 +297,7 @@ class Probe:
             with torch.no_grad():
                 rec["Q_after"] = [q.item() for q in self.q_values(model, grad=False)]
         for r in self.kl_rows:
-            r["adam_row_sqrt_v"] = (v_old[row_of(r["token"])].sqrt().mean().item())
+            r["adam_row_sqrt_v"] = v_old[row_of(r["token"])].sqrt().mean().item()
             r["row_delta"] = rows_norm[r["token"]].item()
             r["row_mean_abs_step_over_lr"] = (delta[r["token"]].abs().mean() / lr).item()
             self.write(r)
@@ -321,8 +321,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--grad-steps", type=int, default=30)
     ap.add_argument("--kl-threshold", type=float, default=1.0)
-    ap.add_argument("--save-weights", type=Path, default=None,
-                    help="a folder: the actor's weights and batch before each optimizer step")
+    ap.add_argument(
+        "--save-weights",
+        type=Path,
+        default=None,
+        help="a folder: the actor's weights and batch before each optimizer step",
+    )
     ap.add_argument("--save-steps", default="0--1", help="LO-HI: the steps --save-weights covers")
     ap.add_argument("recipe_args", nargs=argparse.REMAINDER)
     a = ap.parse_args()

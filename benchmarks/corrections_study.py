@@ -169,6 +169,7 @@ def overrides(cell: Cell, seed: int, steps: int, extra: list[str]) -> list[str]:
         f"seed={seed}",
         f"total_steps={steps}",
         f"rollout.max_staleness={cell.staleness}",
+        "lr_scheduler.warmup_steps=0",  # the schedule the study's figures were measured with
         *METHODS[cell.method],
         *DISCREPANCY[cell.discrepancy],
         *REGIMES[cell.regime],

@@ -4,6 +4,7 @@
     python benchmarks/learning_sweep.py --config tiny_cpu --seeds 0-59 rollout.samples_per_prompt=8
     python benchmarks/learning_sweep.py --config tiny_math_cpu --seeds 0-9 --score eval/pass@1
     python benchmarks/learning_sweep.py --config tiny_cpu --seeds 0-59 --jobs 2   # figures only
+    python benchmarks/learning_sweep.py --seeds 0-9 --baseline "lr_scheduler.warmup_steps=0"
 
 Runs ``minippo run async_ppo --config <config> seed=<k> <overrides>`` for each seed, one at a time,
 and reads each run's metrics.jsonl. Per seed: the final score (the mean of the last 5 logged values
@@ -19,13 +20,17 @@ Wall times depend on the machine and its load (the summary line names both); the
 of a seed are the same on one machine whatever the load (the runs are seeded), and differ between
 CPUs in the last bits of the arithmetic, which compound over an RL run: compare distributions.
 ``--jobs N`` runs N seeds at once: the same learning figures, sooner; its seconds are then
-contended, so time runs with ``--jobs 1`` on a quiet machine.
+contended, so time runs with ``--jobs 1`` on a quiet machine. ``--baseline '<overrides>'`` is
+the A/B form: every seed also runs with those overrides instead of the positional ones, the two
+sides interleaved one run at a time (so both meet the same load), then both tables and the
+candidate/baseline ratios of the training seconds to ``--bar`` and of the command's wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +91,42 @@ def summary(rows: list[dict], target: float, bar: float) -> dict:
     }
 
 
+def report(rows: list[dict], a: argparse.Namespace, title: str) -> dict:
+    """Print one side's summary line and per-seed table; return its summary."""
+    s = summary(rows, a.target, a.bar)
+    print(
+        f"{title}{s['at_or_above_target']} of {s['seeds']} seeds >= {a.target}, {s['below_bar']} "
+        f"below {a.bar}; final min {fmt(s['min'])}, mean {fmt(s['mean'])}; median first step >= "
+        f"{a.bar}: {s['median_first_step']}, median training s to it: "
+        f"{fmt(s['median_seconds_to_bar'])}; median command {s['median_wall_s']:.1f} s; late dips "
+        f"(>= {a.high}, then < {a.bar}): {s['late_dips']}"
+    )
+    rows_md = [
+        [r["seed"], fmt(r["final"]), fmt(r["first_step"]), fmt(r["seconds_to_bar"]),
+         f"{r['wall_s']:.1f}", "yes" if r["late_dip"] else ""]
+        for r in rows
+    ]  # fmt: skip
+    headers = ["seed", "final", f"first step >= {a.bar}", "train s to it", "command s", "dip"]
+    print(markdown_table(headers, rows_md))
+    return s
+
+
+def ratios(base: list[dict], cand: list[dict], bar: float) -> None:
+    """Candidate / baseline per seed (runs interleaved): training seconds to the bar (seeds where
+    both reach it) and the whole command; their medians."""
+    to_bar = [
+        c["seconds_to_bar"] / b["seconds_to_bar"]
+        for b, c in zip(base, cand)
+        if b["seconds_to_bar"] and c["seconds_to_bar"]
+    ]
+    wall = [c["wall_s"] / b["wall_s"] for b, c in zip(base, cand)]
+    med = statistics.median(to_bar) if to_bar else None
+    print(
+        f"candidate / baseline, median over seeds: training s to {bar} {fmt(med)} "
+        f"({len(to_bar)} seeds where both reach it), command {statistics.median(wall):.3f}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny_cpu")
@@ -101,50 +142,56 @@ def main(argv: list[str] | None = None) -> int:
         "--jobs", type=int, default=1,
         help="runs at once: the learning figures are the same (seeded), the seconds are not",
     )  # fmt: skip
+    p.add_argument(
+        "--baseline", default=None, metavar="'KEY=VALUE ...'",
+        help="also run every seed with these overrides (instead of the positional ones), "
+        "interleaved with the candidate, one run at a time; prints both and their time ratios",
+    )  # fmt: skip
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     a = p.parse_args(argv)
     if a.quick:
         a.seeds = [0]
         a.overrides += QUICK
+    sides = {"": a.overrides}
+    if a.baseline is not None:
+        sides = {"baseline": shlex.split(a.baseline), "candidate": a.overrides}
+        a.jobs = 1  # the two sides' seconds are compared: never contended by each other
 
-    def one(seed: int) -> dict:
-        run = run_recipe([f"seed={seed}", *a.overrides], a.out / f"seed{seed}", config=a.config)
+    def one(job: tuple[str, int]) -> dict:
+        side, seed = job
+        out = a.out / side / f"seed{seed}"
+        run = run_recipe([f"seed={seed}", *sides[side]], out, config=a.config)
         if run.returncode != 0:
             raise RuntimeError(
                 f"seed {seed}: the run failed (exit {run.returncode}):\n{run.log_tail}"
             )
         row = {"seed": seed, "wall_s": run.wall_s, **outcome(run, a.score, a.bar, a.high)}
-        print(f"seed {seed:3d}: final {fmt(row['final'])}, first step >= {a.bar} "
-              f"{fmt(row['first_step'])}, {run.wall_s:.1f} s", flush=True)  # fmt: skip
-        return row
+        print(f"{side + ' ' if side else ''}seed {seed:3d}: final {fmt(row['final'])}, first "
+              f"step >= {a.bar} {fmt(row['first_step'])}, {run.wall_s:.1f} s", flush=True)  # fmt: skip
+        return {"side": side, **row}
 
+    # interleaved: seed k runs baseline then candidate, seed k + 1 the other way round
+    names = list(sides)
+    jobs = [(side, seed) for i, seed in enumerate(a.seeds) for side in names[:: 1 - 2 * (i % 2)]]
     try:
         with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-            rows = list(pool.map(one, a.seeds))
+            done = list(pool.map(one, jobs))
     except RuntimeError as e:
         print(e)
         return 1
-    s = summary(rows, a.target, a.bar)
+    rows = {side: [r for r in done if r["side"] == side] for side in names}
     command = "python benchmarks/learning_sweep.py " + " ".join(
-        sys.argv[1:] if argv is None else argv
+        shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)
     )
     print(f"\n{command}\n{machine()}" + (f", {a.jobs} runs at once" if a.jobs > 1 else ""))
-    print(
-        f"{s['at_or_above_target']} of {s['seeds']} seeds >= {a.target}, {s['below_bar']} below "
-        f"{a.bar}; final min {fmt(s['min'])}, mean {fmt(s['mean'])}; median first step >= {a.bar}: "
-        f"{s['median_first_step']}, median training s to it: {s['median_seconds_to_bar']}; median "
-        f"command {s['median_wall_s']:.1f} s; late dips (>= {a.high}, then < {a.bar}): "
-        f"{s['late_dips']}"
-    )
-    rows_md = [
-        [r["seed"], fmt(r["final"]), fmt(r["first_step"]), fmt(r["seconds_to_bar"]),
-         f"{r['wall_s']:.1f}", "yes" if r["late_dip"] else ""]
-        for r in rows
-    ]  # fmt: skip
-    headers = ["seed", "final", f"first step >= {a.bar}", "train s to it", "command s", "dip"]
-    print(markdown_table(headers, rows_md))
+    summaries = {side: report(rows[side], a, f"{side}: " if side else "") for side in names}
+    if a.baseline is not None:
+        ratios(rows["baseline"], rows["candidate"], a.bar)
     if a.json:
-        a.json.write_text(json.dumps({"command": command, "summary": s, "runs": rows}, indent=1))
+        out = {"command": command, "summary": summaries, "runs": done}
+        if a.baseline is None:
+            out = {"command": command, "summary": summaries[""], "runs": rows[""]}
+        a.json.write_text(json.dumps(out, indent=1))
     return 0
 
 

@@ -391,6 +391,7 @@ def minippo_overrides(
         "kl.coef=0.0",
         f"optimizer.lr={w.lr}",
         "lr_scheduler.min_lr_ratio=0.1",
+        "lr_scheduler.warmup_steps=0",  # as TRL's run (tiny_cpu itself warms up)
         f"rollout.groups_per_batch={w.groups}",
         f"rollout.samples_per_prompt={w.samples}",
         f"rollout.max_new_tokens={w.max_new_tokens}",

@@ -109,6 +109,7 @@ def gae(
     truncated: torch.Tensor | None = None,
     bootstrap_values: torch.Tensor | None = None,
     bootstrap_truncated: bool = True,
+    value_lam: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over response tokens, skipping masked positions.
 
@@ -123,18 +124,25 @@ def gae(
     ``bootstrap_truncated=False`` truncated rows are treated as finished (value 0 after the cut,
     appropriate when the reward already scores the cut text as final).
 
+    ``value_lam`` decouples the critic's targets from the policy's advantages: the returns are
+    then the λ-returns of ``value_lam`` (A_t computed with value_lam, + V_t), while the advantages
+    keep ``lam``. ``value_lam = 1`` gives Monte-Carlo targets (the reward to go), which do not
+    lean on the critic's own early, poor values; ``None`` uses ``lam`` for both.
+
     Args:
         values: float [B, R], V(s_t) (no grad; detached here).
         rewards: float [B, R], per-token rewards (e.g. place_sequence_rewards − β·KL).
         response_mask: [B, R]
         gamma: discount γ in [0, 1]; lam: GAE λ in [0, 1].
+        value_lam: the λ of the returns in [0, 1], or None (= lam).
         truncated: bool [B], rows cut by max_new_tokens (None: none).
         bootstrap_values: float [B], V of the state after each row's last token
             (``split_critic_values``); required when any row is truncated and
             ``bootstrap_truncated``.
         bootstrap_truncated: bootstrap truncated rows from the critic (True) or from 0 (False).
     Returns:
-        advantages: float [B, R]; returns: float [B, R] = A_t + V_t. Both 0 on masked positions.
+        advantages: float [B, R]; returns: float [B, R] = A_t + V_t (A_t of ``value_lam`` when
+        given). Both 0 on masked positions.
     """
     shape = response_mask.shape
     if response_mask.dim() != 2:
@@ -145,7 +153,9 @@ def gae(
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lam must be in [0, 1], got {lam}")
-    B, R = shape
+    if value_lam is not None and not 0.0 <= value_lam <= 1.0:
+        raise ValueError(f"value_lam must be in [0, 1] or None, got {value_lam}")
+    B = shape[0]
     values = values.detach()
     rewards = rewards.detach()
     next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
@@ -168,9 +178,26 @@ def gae(
             )
 
     valid = response_mask > 0
+    advantages = _gae_scan(values, rewards, valid, next_value, gamma, lam)
+    if value_lam is not None and value_lam != lam:
+        returns = _gae_scan(values, rewards, valid, next_value, gamma, value_lam) + values
+    else:
+        returns = advantages + values
+    return advantages, torch.where(valid, returns, 0.0)
+
+
+def _gae_scan(
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    valid: torch.Tensor,
+    next_value: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> torch.Tensor:
+    """The backward GAE recursion of :func:`gae` (``next_value``: V after each row's last token)."""
     next_adv = torch.zeros_like(next_value)
     advantages = torch.zeros_like(values)
-    for t in reversed(range(R)):
+    for t in reversed(range(values.shape[1])):
         m = valid[:, t]
         # δ_t = r_t + γ·V_next − V_t ;  A_t = δ_t + γλ·A_next
         delta = rewards[:, t] + gamma * next_value - values[:, t]
@@ -179,8 +206,7 @@ def gae(
         next_adv = torch.where(m, adv_t, next_adv)
         next_value = torch.where(m, values[:, t], next_value)
         advantages[:, t] = torch.where(m, adv_t, 0.0)
-    returns = torch.where(valid, advantages + values, 0.0)
-    return advantages, returns
+    return advantages
 
 
 def group_advantages(

@@ -116,7 +116,12 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
     ),
     "advantage_estimator": Str(("gae", "grpo")),
     "gae": Section(
-        {"gamma": Float(min=0, max=1), "lam": Float(min=0, max=1), "bootstrap_truncated": Bool()}
+        {
+            "gamma": Float(min=0, max=1),
+            "lam": Float(min=0, max=1),
+            "value_lam": Float(min=0, max=1, null=True, default=None),
+            "bootstrap_truncated": Bool(),
+        }
     ),
     "grpo": Section({"normalize_std": Bool()}),
     "ppo": Section(

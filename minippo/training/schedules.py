@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+
+log = logging.getLogger(__name__)
+_SHORT_RUNS_TOLD: set[int] = set()
+
+
+def _told(total_steps: int) -> bool:
+    """Whether this process has already warned about a run of ``total_steps`` (then True)."""
+    told = total_steps in _SHORT_RUNS_TOLD
+    _SHORT_RUNS_TOLD.add(total_steps)
+    return told
 
 
 def warmup_cosine(
@@ -19,7 +30,8 @@ def warmup_cosine(
 
     factor(s) = (s + 1) / warmup_steps                                  for s < warmup_steps
     factor(s) = r + (1 - r) * (1 + cos(pi * p)) / 2,  p = (s - w) / (total - w)   afterwards
-    With the default ``min_lr_ratio = 1`` the lr is constant after the warm-up.
+    With the default ``min_lr_ratio = 1`` the lr is constant after the warm-up. A run with
+    ``total_steps <= warmup_steps`` ends inside the warm-up (a warning says so).
 
     Args:
         optimizer: the optimizer whose lr is scaled.
@@ -31,10 +43,21 @@ def warmup_cosine(
         raise ValueError(f"lr_scheduler.warmup_steps must be >= 0, got {warmup_steps}")
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-    if min_lr_ratio < 1.0 and (total_steps is None or total_steps <= warmup_steps):
+    if min_lr_ratio < 1.0 and total_steps is None:
         raise ValueError(
-            f"lr_scheduler.total_steps ({total_steps}) must be > warmup_steps ({warmup_steps}) "
-            "for a decay; set total_steps=${total_steps}"
+            "lr_scheduler.total_steps is needed for a decay (min_lr_ratio < 1); "
+            "set total_steps=${total_steps}"
+        )
+    if total_steps is not None and 0 < total_steps <= warmup_steps and not _told(total_steps):
+        # a short run (a smoke test, total_steps=4) ends inside the warm-up: no decay, and said
+        # so once (the actor's and the critic's schedules are built alike)
+        log.warning(
+            "lr_scheduler.total_steps=%d <= warmup_steps=%d: the run ends inside the warm-up, "
+            "at %d/%d of the peak lr",
+            total_steps,
+            warmup_steps,
+            total_steps,
+            warmup_steps,
         )
 
     def factor(step: int) -> float:
@@ -42,7 +65,7 @@ def warmup_cosine(
             return (step + 1) / warmup_steps
         if min_lr_ratio >= 1.0:
             return 1.0
-        p = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        p = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
     return LambdaLR(optimizer, factor)

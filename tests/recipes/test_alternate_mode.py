@@ -14,13 +14,11 @@ import textwrap
 import pytest
 
 from minippo.training.metrics import read_jsonl
-from tests.recipes.seeds import check_learns
+from tests.recipes.seeds import SeedCount, check_seed_count
 from tests.recipes.test_async_ppo import (
-    ALTERNATE_LAST_5,
     FAST,
-    QUIET,
     REPO,
-    TINY_CPU_SPREAD,
+    SHIPPED,
     _env,
     assert_same,
     cli,
@@ -87,14 +85,21 @@ def test_partial_rollouts_span_versions_with_exact_keep_old_actor_anchors(tmp_pa
             assert r[key] >= 0
 
 
-@pytest.mark.slow  # 3 x ~20 s; learning is covered by default in test_recipe_properties.py
+# tiny_cpu in alternate mode with oversample 1.5: seeds whose final reward (the mean of the last 5
+# steps) stays below 0.9 in 60-seed sweeps (benchmarks/learning_sweep.py, 2-core AMD EPYC, torch
+# 2.13.0; docs/learning.md): ALT_BAD of 60 before the lr warm-up and Monte-Carlo critic targets,
+# ALT_GOOD of 60 with them.
+ALTERNATE_SEEDS = SeedCount(seeds=range(40), at_least=38, bar=0.9, bad=(8, 60), good=(0, 60))
+
+
+@pytest.mark.slow  # 40 runs of ~20 s, two at a time; learning is covered by default in test_recipe_properties.py
 def test_tiny_cpu_alternate_with_oversample_learns(tmp_path):
-    """Alternate mode with oversampling learns, seeds 0-2 against the measured seeds' spread
-    (ALTERNATE_LAST_5 in test_async_ppo.py)."""
-    runs = tiny_cpu_seeds(tmp_path, *ALTERNATE, *QUIET)
+    """Alternate mode with oversampling learns to >= 0.9 on (nearly) every seed: a count over
+    40 seeds, chosen from the measured rates (tests/recipes/seeds.py)."""
+    runs = tiny_cpu_seeds(tmp_path, ALTERNATE_SEEDS.seeds, *ALTERNATE, *SHIPPED)
     for rows in runs.values():
         assert all(r["rollout/groups_in_flight"] == 48 for r in rows)  # ceil(32 x 1.5)
-    check_learns(last_5(runs), ALTERNATE_LAST_5, "mean reward, last 5 steps", TINY_CPU_SPREAD)
+    check_seed_count(last_5(runs), ALTERNATE_SEEDS, "alternate, mean reward of the last 5 steps")
 
 
 def test_overlap_refuses_alternate_only_keys(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from minippo.training.metrics import read_jsonl
-from tests.recipes.seeds import SEEDS, check_learns, pooled_stdev
+from tests.recipes.seeds import SeedCount, check_seed_count, run_seeds
 
 REPO = Path(__file__).resolve().parents[2]
 # small and fast: 8 prompts x 4 samples, 2 minibatches of 16 rows in micro-batches of 8
@@ -388,25 +388,24 @@ def test_every_shipped_config_validates():
             validate_config(cfg, config.nproc_per_node or 1)
 
 
-# Mean reward over the last 5 steps of tiny_cpu, seeds 0-2, measured on a 2-core Intel Xeon (torch
-# 2.13.0+cpu): as shipped, with rollout.sync_every=3, and in alternate mode with oversample 1.5;
-# each list holds the padded passes' runs (the first three) and the packed passes' (the last three,
-# the code as shipped: the same seeds, other rounding, as another machine's kernels give). The
-QUIET = ["progress_bar=false", "checkpoint.export_hf=false", "engine.in_process=true"]
+SHIPPED = ["progress_bar=false", "checkpoint.export_hf=false"]  # what the sweeps ran: same numbers
+QUIET = [*SHIPPED, "engine.in_process=true"]
 
 
-def tiny_cpu_seeds(tmp_path: Path, *overrides: str) -> dict[int, list[dict]]:
-    """Run tiny_cpu (60 steps) for each of ``SEEDS`` with ``overrides``; seed -> its metric rows."""
-    runs = {}
-    for seed in SEEDS:
+def tiny_cpu_seeds(tmp_path: Path, seeds, *overrides: str) -> dict[int, list[dict]]:
+    """Run tiny_cpu (60 steps) for each of ``seeds`` with ``overrides``, two at a time; seed ->
+    its metric rows."""
+
+    def one(seed: int) -> list[dict]:
         out = tmp_path / f"seed{seed}"
         proc = cli(
             "run", "async_ppo", "--config", "tiny_cpu", *overrides, f"seed={seed}",
             f"output_dir={out}", timeout=900,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[seed] = read_jsonl(out / "metrics.jsonl")
-    return runs
+        return read_jsonl(out / "metrics.jsonl")
+
+    return run_seeds(one, seeds)
 
 
 def last_5(runs: dict[int, list[dict]]) -> dict[int, float]:
@@ -416,22 +415,19 @@ def last_5(runs: dict[int, list[dict]]) -> dict[int, float]:
     }
 
 
-# spread is pooled over the three variants (alternate's padded seeds all end at the ceiling): s =
-# 0.044; the bounds: mean of 3 seeds >= m - 2 s / sqrt(3), each seed >= m - 3 s
-# (tests/recipes/seeds.py).
-DEFAULT_LAST_5 = [0.9945, 0.9309, 0.9941, 0.9938, 0.8422, 0.9926]  # m 0.958: >= 0.907, 0.826
-SYNC_EVERY_3_LAST_5 = [0.9715, 0.8973, 0.9676, 0.9715, 0.8941, 0.9676]  # 0.945: >= 0.894, 0.813
-ALTERNATE_LAST_5 = [0.9949, 0.9938, 0.9945, 0.9949, 0.9387, 0.9934]  # 0.985: >= 0.934, 0.853
-TINY_CPU_SPREAD = pooled_stdev(DEFAULT_LAST_5, SYNC_EVERY_3_LAST_5, ALTERNATE_LAST_5)
+# tiny_cpu as shipped: seeds whose final reward (the mean of the last 5 steps) stays below 0.9 in
+# 60-seed sweeps (benchmarks/learning_sweep.py, 2-core AMD EPYC, torch 2.13.0; docs/learning.md):
+# 8 of 60 before the lr warm-up, BAD_GOOD of 60 with it. At least 38 of 40 seeds must reach 0.9.
+TINY_CPU_SEEDS = SeedCount(seeds=range(40), at_least=38, bar=0.9, bad=(8, 60), good=(0, 60))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 40 runs of ~15 s, two at a time: ~5 min on 2 cores
 def test_tiny_cpu_default_learns(tmp_path):
-    """The main job, seeds 0-2: from chance to the final reward of earlier runs, in the mean over
-    the seeds and in each one (bounds from the measured seeds' spread)."""
-    runs = tiny_cpu_seeds(tmp_path)  # as shipped
+    """The main job as shipped learns from chance to >= 0.9 on (nearly) every seed: a count
+    over 40 seeds, chosen from the measured stall rates (tests/recipes/seeds.py)."""
+    runs = tiny_cpu_seeds(tmp_path, TINY_CPU_SEEDS.seeds, *SHIPPED)
     assert all(rows[0]["rollout/reward_mean"] < 0.1 for rows in runs.values())
-    check_learns(last_5(runs), DEFAULT_LAST_5, "mean reward, last 5 steps", TINY_CPU_SPREAD)
+    check_seed_count(last_5(runs), TINY_CPU_SEEDS, "tiny_cpu, mean reward of the last 5 steps")
 
 
 def test_output_dir_belongs_to_one_run(tmp_path):

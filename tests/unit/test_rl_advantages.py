@@ -41,6 +41,31 @@ def test_gae_tiny_by_hand():
     torch.testing.assert_close(ret, torch.tensor([[a0 + 0.5, a1 + 0.2]]))
 
 
+def test_gae_value_lam_decouples_the_critic_targets():
+    # γ = 1: advantages with λ = 0.5, returns with value_lam = 1 (the reward to go, Monte Carlo),
+    # across a masked position and a truncated row bootstrapped from the critic
+    values = torch.tensor([[0.5, 9.0, 0.2], [0.3, 0.4, 0.6]])
+    rewards = torch.tensor([[0.1, 7.0, 1.0], [0.0, 0.0, 0.5]])
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    truncated, boot = torch.tensor([False, True]), torch.tensor([0.0, 0.25])
+    kw = dict(gamma=1.0, truncated=truncated, bootstrap_values=boot)
+    adv, ret = gae(values, rewards, mask, lam=0.5, value_lam=1.0, **kw)
+    adv_half, _ = gae(values, rewards, mask, lam=0.5, **kw)
+    _, ret_mc = gae(values, rewards, mask, lam=1.0, **kw)
+    torch.testing.assert_close(adv, adv_half)  # the policy's advantages keep lam
+    torch.testing.assert_close(ret, ret_mc)  # the critic's targets are value_lam's
+    # by hand: the reward to go (+ the bootstrap of the truncated row), 0 on the masked position
+    torch.testing.assert_close(ret, torch.tensor([[1.1, 0.0, 1.0], [0.75, 0.75, 0.75]]))
+    # value_lam None or equal to lam: the coupled estimate, bit for bit
+    for same in (None, 0.5):
+        a, r = gae(values, rewards, mask, lam=0.5, value_lam=same, **kw)
+        assert torch.equal(a, adv_half) and torch.equal(
+            r, gae(values, rewards, mask, lam=0.5, **kw)[1]
+        )
+    with pytest.raises(ValueError, match="value_lam"):
+        gae(values, rewards, mask, lam=0.5, value_lam=1.5)
+
+
 def test_gae_interior_mask_is_not_a_transition():
     # token 1 is masked: token 0's next value is token 2's value, and its advantage is
     # the one carried from token 2

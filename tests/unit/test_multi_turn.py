@@ -1,0 +1,254 @@
+"""Multi-turn episodes on the one rollout queue: token in / token out, the trajectory layout
+(observation tokens: version -1, logprob 0, response_mask 0, attended), budgets and faults."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+
+from minippo.engine import Completion, GenerateRequest, SamplingParams, validate_requests
+from minippo.env import EnvError, MultiTurn, StepResult, observation_encoder
+from minippo.models import TinyTokenizer
+from minippo.training.rollout_queue import RolloutQueue
+
+STOP = 9  # the scripted engine's turn ends with this id
+OBS = [40, 41]  # the scripted environment's observation
+
+
+class ScriptedEngine:
+    """Answers every request with ``turn_len`` tokens (the last one STOP), logprob -0.5 each,
+    stamped with its version. Records every request."""
+
+    def __init__(self, turn_len: int = 3) -> None:
+        self.version = 0
+        self.turn_len = turn_len
+        self.requests: list[GenerateRequest] = []
+
+    def generate(self, requests):
+        validate_requests(requests, max_seq_len=4096, vocab_size=51)
+        out = []
+        for r in requests:
+            self.requests.append(r)
+            n = min(self.turn_len, r.params.max_new_tokens)
+            toks = [10 + (len(r.prompt_ids) + k) % 20 for k in range(n - 1)] + [STOP]
+            toks = toks[:n]
+            reason = "stop" if toks[-1] in r.params.stop_token_ids else "length"
+            lps, vs = [-0.5] * n, [self.version] * n
+            out.append(Completion(r.request_id, list(r.prompt_ids), toks, lps, vs, reason))
+        return out
+
+    def stream(self, requests, *, until_groups=None):
+        yield from self.generate(requests)
+
+    def publish_weights(self, buckets, version):
+        self.version = version
+
+    def pause(self): ...
+    def resume(self): ...
+    def abort(self):
+        return []
+
+    def sleep(self): ...
+    def wake(self): ...
+    def shutdown(self): ...
+
+
+class ThreeTurns:
+    """Answers turns 0 and 1 with OBS; ends the episode after turn 2 with reward 1."""
+
+    stop_tokens = ()
+
+    def reset(self, prompt, seed):
+        return {"turns": []}
+
+    def step(self, state, turn):
+        state["turns"].append(list(turn.token_ids))
+        if turn.index < 2:
+            return StepResult(observation=list(OBS))
+        return StepResult(reward=1.0)
+
+
+def multi(env, **kw) -> MultiTurn:
+    opts = dict(encode_observation=None, vocab_size=51, max_turns=4, max_turn_tokens=8)
+    return MultiTurn(env, **(opts | kw))
+
+
+def make_queue(engine, env, *, max_new=32, mode="overlap", **kw) -> RolloutQueue:
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, stop_token_ids=(STOP,))
+    opts = dict(groups_per_batch=2, samples_per_prompt=2, sampling=sampling, max_staleness=100)
+    mt = kw.pop("multi_turn", None) or multi(env)
+    return RolloutQueue(engine, iter([[1, 2, 3]] * 100), mode=mode, multi_turn=mt, **(opts | kw))
+
+
+def test_each_turn_requests_the_exact_context_and_the_layout_marks_observations():
+    eng = ScriptedEngine(turn_len=3)
+    with make_queue(eng, ThreeTurns()) as queue:
+        queue.start()
+        b = queue.get_batch(0)
+    # every turn's request is the previous request + its completion + the observation
+    by_sample: dict[str, list[GenerateRequest]] = {}
+    for r in eng.requests:
+        by_sample.setdefault(r.request_id.split("-a")[0], []).append(r)
+    assert len(by_sample) == 4 and all(len(rs) == 3 for rs in by_sample.values())
+    for rs in by_sample.values():
+        for prev, nxt in itertools.pairwise(rs):
+            sampled = nxt.prompt_ids[len(prev.prompt_ids) : len(nxt.prompt_ids) - len(OBS)]
+            assert nxt.prompt_ids[: len(prev.prompt_ids)] == prev.prompt_ids
+            assert len(sampled) == 3 and sampled[-1] == STOP
+            assert nxt.prompt_ids[-len(OBS) :] == OBS
+    # layout of one row: model | obs | model | obs | model
+    rb = b.batch
+    assert rb.versions[0].tolist() == [0, 0, 0, -1, -1, 0, 0, 0, -1, -1, 0, 0, 0]
+    assert rb.response_mask[0].tolist() == [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1]
+    assert rb.rollout_logprobs[0].tolist() == [-0.5] * 3 + [0, 0] + [-0.5] * 3 + [0, 0] + [-0.5] * 3
+    P = rb.prompt_len
+    assert rb.input_ids[0, P + 3 : P + 5].tolist() == OBS
+    assert rb.attention_mask[0].all()  # observations are attended to (positions of their own)
+    assert rb.position_ids[0].tolist() == list(range(P + 13))
+    assert rb.rewards.tolist() == [1.0] * 4
+    assert b.metrics["rollout/turns_mean"] == 3.0 and b.metrics["rollout/obs_tokens_mean"] == 4.0
+    assert b.metrics["rollout/response_len_mean"] == 9.0  # model tokens only
+    assert b.samples[0].completion.finish_reason == "stop"
+
+
+def test_alternate_carries_episodes_with_their_state_and_versions():
+    """Over-provisioned groups carried into the next step continue their episodes: the env state
+    holds every turn, the versions run 0.. across turns; the staleness bound restarts the rest."""
+
+    class SlowGroup(ThreeTurns):  # episodes of odd prompts take 3 turns, even ones 1
+        def step(self, state, turn):
+            state["turns"].append(list(turn.token_ids))
+            if state["long"] and turn.index < 2:
+                return StepResult(observation=list(OBS))
+            return StepResult(reward=float(len(state["turns"])))
+
+        def reset(self, prompt, seed):
+            return {"turns": [], "long": prompt[0] % 2 == 1}
+
+    eng = ScriptedEngine(turn_len=2)
+    prompts = iter([[k, 5, 6] for k in range(2, 100)])
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=32, stop_token_ids=(STOP,))
+    queue = RolloutQueue(
+        eng, prompts, groups_per_batch=1, samples_per_prompt=1, sampling=sampling,
+        max_staleness=2, mode="alternate", oversample=2.0, partial_rollout=True,
+        multi_turn=multi(SlowGroup()),
+    )  # fmt: skip
+    queue.start()
+    seen = []
+    for step in range(4):
+        queue.publish([], version=step)
+        b = queue.get_batch(step)
+        seen.append((b.samples[0].prompt[0], b.batch.versions[0].tolist(), b.samples[0].reward))
+    queue.close()
+    # step 0: prompt 2 (one turn) completes; prompt 3 (three turns) is carried after its first
+    assert seen[0] == (2, [0, 0], 1.0)
+    assert seen[1] == (4, [1, 1], 1.0)
+    # prompt 3: a turn per step, each under that step's weights; the env's state held all three
+    assert seen[2] == (3, [0, 0, -1, -1, 1, 1, -1, -1, 2, 2], 3.0)
+
+
+def test_observation_past_the_budget_is_cut_and_counted():
+    class Verbose(ThreeTurns):
+        def step(self, state, turn):
+            return StepResult(observation=[40] * 50, reward=0.5)
+
+    eng = ScriptedEngine(turn_len=3)
+    with make_queue(eng, Verbose(), max_new=10) as queue:
+        queue.start()
+        b = queue.get_batch(0)
+    assert b.batch.response_mask.shape[1] == 10  # the budget counts observation tokens
+    assert b.batch.versions[0].tolist() == [0, 0, 0] + [-1] * 7
+    assert b.batch.truncated.all() and b.metrics["rollout/obs_truncated"] == 4.0
+    assert b.batch.rewards.tolist() == [0.5] * 4
+
+
+def test_max_turns_ends_the_episode_truncated():
+    class Endless(ThreeTurns):
+        def step(self, state, turn):
+            return StepResult(observation=[40], reward=float(turn.last))
+
+    eng = ScriptedEngine(turn_len=2)
+    with make_queue(eng, Endless(), multi_turn=multi(Endless(), max_turns=2)) as queue:
+        queue.start()
+        b = queue.get_batch(0)
+    assert b.metrics["rollout/turns_mean"] == 2.0
+    assert b.batch.versions[0].tolist() == [0, 0, -1, 0, 0]  # the last observation dropped
+    assert b.batch.truncated.all() and b.batch.rewards.tolist() == [1.0] * 4
+
+
+class Faulty(ThreeTurns):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.release = threading.Event()
+
+    def step(self, state, turn):
+        if self.kind == "raise":
+            raise KeyError("no such tool")
+        if self.kind == "hang":
+            self.release.wait(30)
+            return StepResult(reward=1.0)
+        if self.kind == "vocab":
+            return StepResult(observation=[3, 999])
+        return "not a result"
+
+
+@pytest.mark.parametrize(
+    "kind, words",
+    [
+        ("raise", "raised KeyError: 'no such tool'"),
+        ("hang", "did not answer within multi_turn.step_timeout_s=0.2"),
+        ("vocab", "outside the vocabulary [0, 51)"),
+        ("type", "returned a str, expected a minippo.env.StepResult"),
+    ],
+)
+def test_bad_environment_stops_with_one_line_or_scores_zero(kind, words):
+    before = set(threading.enumerate())
+    env = Faulty(kind)
+    queue = make_queue(ScriptedEngine(), env, multi_turn=multi(env, step_timeout_s=0.2))
+    queue.start()
+    with pytest.raises(RuntimeError) as info:
+        queue.get_batch(0)
+    err = info.value.__cause__
+    assert isinstance(err, EnvError)
+    line = str(err)
+    assert "\n" not in line and line.startswith("environment Faulty step (turn 0) ")
+    assert words in line and " for sample 0, completion " in line  # names the prompt's sample
+    env.release.set()
+    queue.close()
+    # counted outcome: reward 0, a metric, and the run goes on
+    env = Faulty(kind)
+    mt = multi(env, step_timeout_s=0.2, on_error="zero_reward")
+    with make_queue(ScriptedEngine(), env, multi_turn=mt) as queue:
+        queue.start()
+        b = queue.get_batch(0)
+        env.release.set()
+    assert b.batch.rewards.tolist() == [0.0] * 4
+    key = "rollout/env_timeouts" if kind == "hang" else "rollout/env_errors"
+    assert b.metrics[key] == 4.0 and b.metrics[key + "_total"] >= 4.0  # + batches ahead
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(threading.enumerate()) - before, "threads left behind"
+
+
+def test_env_steps_run_concurrently_across_episodes():
+    class Sleepy(ThreeTurns):
+        def step(self, state, turn):
+            time.sleep(0.3)
+            return StepResult(reward=1.0)
+
+    env = Sleepy()
+    t0 = time.perf_counter()
+    with make_queue(ScriptedEngine(), env, multi_turn=multi(env, workers=4)) as queue:
+        queue.start()
+        queue.get_batch(0)
+    assert time.perf_counter() - t0 < 0.3 * 4 * 0.6  # 4 episodes' steps at once, not in turn
+
+
+def test_observation_encoder_without_a_chat_template_encodes_the_text():
+    tok = TinyTokenizer()
+    enc = observation_encoder(tok)
+    assert enc("no:12\n", 5) == tok.encode("no:12\n")

@@ -630,7 +630,7 @@ class RolloutQueue:
             tokens += int(ahead.metrics["rollout/tokens"])
             gen_s += ahead.metrics["rollout/gen_time_s"]
         taken = (self._next_step + (ahead is not None)) * self.groups_per_batch
-        return {
+        state = {
             "mode": self.mode,
             "sync_every": self.sync_every,
             "samples_per_prompt": self.samples_per_prompt,
@@ -642,8 +642,10 @@ class RolloutQueue:
             "tokens_total": tokens,  # the cumulative counters continue on resume
             "gen_time_s": gen_s,
             "restarted_total": self._restarted_total,
-            "env_faults": dict(self._env_faults),  # carried episodes hold their env state
         }
+        if self.multi_turn is not None:  # carried episodes hold their environment's state
+            state["env_faults"] = dict(self._env_faults)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` saved; call before ``start``. A saved state whose settings

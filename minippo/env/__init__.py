@@ -6,6 +6,7 @@ observation-tokenization helper (:func:`observation_encoder`). docs/multi_turn.m
 from minippo.env.base import Environment, MultiTurn, StepResult, Turn
 from minippo.env.observation import observation_encoder
 from minippo.env.runner import ON_ERROR, EnvError, EnvRunner, Fault
+from minippo.env.setup import build_multi_turn
 
 __all__ = [
     "ON_ERROR",
@@ -16,5 +17,6 @@ __all__ = [
     "MultiTurn",
     "StepResult",
     "Turn",
+    "build_multi_turn",
     "observation_encoder",
 ]

@@ -111,6 +111,7 @@ class RolloutSample:
         reward:       the scalar reward (None when the queue has no ``reward_fn``).
         group:        index of the prompt within its batch (equals ``batch.group_ids[row]``).
         sample_index: global index of this sample since the start of training.
+        turns:        model turns of a multi-turn episode (1 for a single-turn sample).
     """
 
     prompt: Any
@@ -120,6 +121,7 @@ class RolloutSample:
     reward: float | None
     group: int
     sample_index: int
+    turns: int = 1
 
 
 @dataclass
@@ -1146,6 +1148,7 @@ class RolloutQueue:
             reward=sample.reward,
             group=-1,  # its row's group is set when the batch is assembled
             sample_index=group.index * self.samples_per_prompt + j,
+            turns=sample.episode.turns if sample.episode is not None else 1,
         )
 
     def _assemble(
@@ -1168,6 +1171,40 @@ class RolloutQueue:
         if self.multi_turn is not None:
             metrics |= episode_metrics([s.episode for g in groups for s in g.samples])
         return QueueBatch(step=step, batch=batch, samples=samples, metrics=metrics)
+
+
+def run_episodes(
+    engine: RolloutEngine,
+    items: list[tuple[int, Any]],
+    *,
+    samples_per_prompt: int,
+    sampling: SamplingParams,
+    multi_turn: MultiTurn,
+    seed: int = 0,
+    reward_fn: Callable[[RolloutSample], float] | None = None,
+    reward_name: str | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+) -> list[RolloutSample]:
+    """Run ``samples_per_prompt`` episodes of each ``(position, prompt item)`` to their end with
+    the engine's current weights, exactly as the queue runs them (evaluation); the samples in
+    item order, sample ``j`` of position ``i`` seeded ``sample_seed(seed, i * n + j)``."""
+    n = samples_per_prompt
+    queue = RolloutQueue(
+        engine, [], groups_per_batch=max(len(items), 1), samples_per_prompt=n,
+        sampling=sampling, mode="alternate", sleep=False, reward_fn=reward_fn,
+        reward_name=reward_name, decode=decode, seed=seed, multi_turn=multi_turn,
+    )  # fmt: skip
+    groups = [
+        _Group(i, item, prompt_ids_of(item), [
+            _Sample(sample_seed(seed, i * n + j), multi_turn=True) for j in range(n)
+        ])
+        for i, item in items
+    ]  # fmt: skip
+    try:
+        queue._episode_rounds(0, groups, lambda reqs: list(engine.stream(reqs)), until=None)
+    finally:
+        queue.close()
+    return [queue._as_sample(g, s) for g in groups for s in g.samples]
 
 
 def episode_metrics(episodes: list[Any]) -> dict[str, float]:

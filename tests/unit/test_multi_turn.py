@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 import threading
 import time
 
@@ -33,7 +34,8 @@ class ScriptedEngine:
         for r in requests:
             self.requests.append(r)
             n = min(self.turn_len, r.params.max_new_tokens)
-            toks = [10 + (len(r.prompt_ids) + k) % 20 for k in range(n - 1)] + [STOP]
+            base = len(r.prompt_ids) + (r.params.seed or 0)  # the request's seed matters
+            toks = [10 + (base + k) % 20 for k in range(n - 1)] + [STOP]
             toks = toks[:n]
             reason = "stop" if toks[-1] in r.params.stop_token_ids else "length"
             lps, vs = [-0.5] * n, [self.version] * n
@@ -148,6 +150,64 @@ def test_alternate_carries_episodes_with_their_state_and_versions():
     assert seen[1] == (4, [1, 1], 1.0)
     # prompt 3: a turn per step, each under that step's weights; the env's state held all three
     assert seen[2] == (3, [0, 0, -1, -1, 1, 1, -1, -1, 2, 2], 3.0)
+
+
+class SlowOdd(ThreeTurns):
+    """Episodes of odd prompts take three turns, even ones one; the reward counts the turns the
+    state saw (a state lost on resume would give a different reward)."""
+
+    def reset(self, prompt, seed):
+        return {"turns": [], "long": prompt[0] % 2 == 1, "seed": seed}
+
+    def step(self, state, turn):
+        state["turns"].append(list(turn.token_ids))
+        if state["long"] and turn.index < 2:
+            return StepResult(observation=[40 + turn.index])
+        return StepResult(reward=float(len(state["turns"])) + state["seed"] % 7 / 10)
+
+
+def alternate_queue(eng):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=32, stop_token_ids=(STOP,))
+    return RolloutQueue(
+        eng, [[k, 5, 6] for k in range(2, 100)], groups_per_batch=1, samples_per_prompt=2,
+        sampling=sampling, max_staleness=2, mode="alternate", oversample=2.0,
+        partial_rollout=True, multi_turn=multi(SlowOdd()), seed=3,
+    )  # fmt: skip
+
+
+def test_resume_with_episodes_in_flight_equals_the_uninterrupted_run():
+    """The queue's state saves the carried episodes with their environment state (pickled, as a
+    checkpoint does); a resumed queue with a fresh environment continues them exactly."""
+
+    def run(queue, steps):
+        out = []
+        for step in steps:
+            queue.publish([], version=step)
+            b = queue.get_batch(step)
+            out.append((b.batch.input_ids.tolist(), b.batch.versions.tolist(), b.samples))
+        return out
+
+    whole = alternate_queue(ScriptedEngine(turn_len=2))
+    whole.start()
+    full = run(whole, range(5))
+    whole.close()
+    first = alternate_queue(ScriptedEngine(turn_len=2))
+    first.start()
+    head = run(first, range(2))
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    first.close()
+    mid_episode = [s for g in state["carried"] for s in g.samples if not s.finished]
+    assert mid_episode and all(s.episode.turns >= 1 for s in mid_episode)
+    resumed = alternate_queue(ScriptedEngine(turn_len=2))
+    resumed.load_state_dict(state)
+    resumed.start()
+    tail = run(resumed, range(2, 5))
+    resumed.close()
+    for (ids, versions, samples), (ids2, versions2, samples2) in zip(full, head + tail):
+        assert ids == ids2 and versions == versions2
+        assert [s.reward for s in samples] == [s.reward for s in samples2]
+        assert [s.turns for s in samples] == [s.turns for s in samples2]
+    assert any(-1 in row and max(row) > min(v for v in row if v >= 0) for _, v, _ in full for row in v)
 
 
 def test_observation_past_the_budget_is_cut_and_counted():

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from minippo.engine import Completion, GenerateRequest, SamplingParams, validate_requests
 from minippo.env import EnvError, MultiTurn, StepResult, observation_encoder
@@ -207,7 +208,9 @@ def test_resume_with_episodes_in_flight_equals_the_uninterrupted_run():
         assert ids == ids2 and versions == versions2
         assert [s.reward for s in samples] == [s.reward for s in samples2]
         assert [s.turns for s in samples] == [s.turns for s in samples2]
-    assert any(-1 in row and max(row) > min(v for v in row if v >= 0) for _, v, _ in full for row in v)
+    assert any(
+        -1 in row and max(row) > min(v for v in row if v >= 0) for _, v, _ in full for row in v
+    )
 
 
 def test_observation_past_the_budget_is_cut_and_counted():
@@ -312,3 +315,112 @@ def test_observation_encoder_without_a_chat_template_encodes_the_text():
     tok = TinyTokenizer()
     enc = observation_encoder(tok)
     assert enc("no:12\n", 5) == tok.encode("no:12\n")
+
+
+def test_torch_engine_episodes_keep_exact_per_token_versions_across_turns_and_publishes():
+    """Overlap with partial rollouts: publishes land while episodes are mid-turn or between
+    turns; every model token's logprob equals the teacher-forced logprob of its own version's
+    weights over the whole context (observations included), so versions and positions are exact
+    across turns."""
+    from minippo.engine import TorchEngine
+    from minippo.models import Transformer, init_weights, qwen3_tiny, token_logprobs
+    from tests.engine_suite import publish_model
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    nets = [init_weights(Transformer(qwen3_tiny()), seed=s, std=0.1) for s in (0, 1, 2)]
+    sampling = SamplingParams(max_new_tokens=24, stop_token_ids=(5,))
+    spans = 0
+    try:
+        with publish_model(TorchEngine(nets[0].args, in_process=True), nets[0]) as eng:
+            q = RolloutQueue(
+                eng, iter([[1 + i % 7, 2, 3] for i in range(40)]), groups_per_batch=2,
+                samples_per_prompt=2, sampling=sampling, max_staleness=1, partial_rollout=True,
+                seed=3, multi_turn=multi(ThreeTurns(), max_turn_tokens=6),
+            )  # fmt: skip
+            q.start()
+            for step in range(3):
+                b = q.get_batch(step, timeout=120).batch
+                assert ((b.versions == -1) == (b.response_mask == 0)).all()
+                assert (b.rollout_logprobs[b.response_mask == 0] == 0).all()
+                for version in b.versions[b.versions >= 0].unique().tolist():
+                    with torch.no_grad():
+                        lp = token_logprobs(
+                            nets[version], b.input_ids, attention_mask=b.attention_mask,
+                            position_ids=b.position_ids, start=b.prompt_len,
+                        )  # fmt: skip
+                    sel = b.versions == version
+                    assert (lp[sel] - b.rollout_logprobs[sel]).abs().max() <= 1e-4
+                v = torch.where(b.versions >= 0, b.versions, 99)
+                spans += int((v.amin(1) < b.versions.amax(1)).sum())
+                if step < 2:
+                    named = [(n, p.detach()) for n, p in nets[step + 1].named_parameters()]
+                    q.publish([named], version=step + 1)
+            q.close()
+    finally:
+        torch.set_num_threads(before)
+    print(f"rows spanning two versions: {spans}")
+
+
+class QwenLikeTokenizer:
+    """A character tokenizer with two special tokens and a Qwen-style chat template:
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message (``drop_past`` empties the
+    contents of assistant messages before the last user-side one, as templates that drop
+    ``<think>`` text do: not append-only)."""
+
+    specials = ("<|im_start|>", "<|im_end|>")
+    name_or_path = "toy-qwen"
+    eos_id = 1
+
+    def __init__(self, drop_past: bool = False) -> None:
+        self.chat_template = "qwen-like"
+        self.drop_past = drop_past
+
+    def encode(self, text):
+        ids, i = [], 0
+        while i < len(text):
+            sp = next((k for k, s in enumerate(self.specials) if text.startswith(s, i)), None)
+            if sp is not None:
+                ids.append(sp)
+                i += len(self.specials[sp])
+            else:
+                ids.append(2 + ord(text[i]))
+                i += 1
+        return ids
+
+    def decode(self, ids, *, skip_special_tokens=True):
+        out = []
+        for t in ids:
+            if t < 2:
+                out.append("" if skip_special_tokens else self.specials[t])
+            else:
+                out.append(chr(t - 2))
+        return "".join(out)
+
+    def apply_chat_template(self, messages, *, add_generation_prompt=True):
+        text = ""
+        for k, m in enumerate(messages):
+            content = m["content"]
+            if self.drop_past and m["role"] == "assistant" and k < len(messages) - 1:
+                content = ""
+            text += f"<|im_start|>{m['role']}\n{content}<|im_end|>\n"
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def test_observation_encoder_follows_the_chat_template_and_appends():
+    tok = QwenLikeTokenizer()
+    enc = observation_encoder(tok)
+    # a conversation as the queue builds it: the model's turn ends at <|im_end|> (sampled)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "2+2?"}]))
+    turn = tok.encode("<calc>2+2</calc><|im_end|>")
+    obs = enc("4", turn[-1])
+    assert obs == tok.encode("\n<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n")
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<calc>2+2</calc>"},
+         {"role": "tool", "content": "4"}]
+    )  # fmt: skip
+    assert prompt + turn + obs == tok.encode(rendered)  # token in: the context the template renders
+    # a turn cut before its end-of-turn token gets it as an observation token
+    assert enc("4", tok.encode(">")[0]) == [1, *obs]
+    with pytest.raises(ValueError, match="chat template of toy-qwen is not append-only"):
+        observation_encoder(QwenLikeTokenizer(drop_past=True))("4", 1)

@@ -10,8 +10,11 @@ toy prompt sets, scored by the environment itself (``StepResult.reward``).
   ``"70"``): a turn that ends with the calculator tag ``"("`` (the environment's stop token) calls
   the calculator on the prompt's expression, whose result comes back as the observation
   ``"70="``; the model then answers. The answer (the first turn's text when it calls no tool)
-  scores the fraction of its positions that are right. Sums of two-digit numbers are out of
-  reach of a tiny model from scratch; copying the tool's result is not.
+  scores the fraction of its positions that are right; an episode that called the tool scores
+  ``call_reward + (1 - call_reward) x`` that fraction (a format reward for a well-formed call, as
+  agentic recipes give, without which a random policy almost never finds the tool). Sums of
+  two-digit numbers are out of reach of a tiny model from scratch; copying the tool's result is
+  not.
 """
 
 from __future__ import annotations
@@ -68,14 +71,28 @@ def calculate(expression: str) -> int:
 
 class Calculator(Environment):
     """A calculator tool: a turn ending with the tag ``"("`` calls it on the prompt's expression
-    and the result comes back as observation tokens; the final answer is scored per position."""
+    and the result comes back as observation tokens; the final answer is scored per position.
+
+    Args:
+        call_reward: the share of the reward a tool call earns by itself (the answer the rest).
+    """
 
     stop_tokens = ("(",)
 
+    def __init__(self, call_reward: float = 0.2) -> None:
+        if not 0.0 <= call_reward < 1.0:
+            raise ValueError(f"call_reward must be in [0, 1), got {call_reward!r}")
+        self.call_reward = float(call_reward)
+
     def reset(self, prompt: Any, seed: int) -> dict:
-        return {"expression": prompt.prompt, "answer": prompt.answer}
+        return {"expression": prompt.prompt, "answer": prompt.answer, "called": False}
 
     def step(self, state: dict, turn: Turn) -> StepResult:
         if turn.index == 0 and turn.text.endswith("("):  # a tool call
-            return StepResult(observation=f"{calculate(state['expression'])}=", reward=0.0)
-        return StepResult(reward=position_match(turn.text, state["answer"]))
+            state["called"] = True
+            value = calculate(state["expression"])
+            return StepResult(observation=f"{value}.", reward=self.call_reward)
+        score = position_match(turn.text, state["answer"])
+        if state["called"]:
+            score = self.call_reward + (1.0 - self.call_reward) * score
+        return StepResult(reward=score)

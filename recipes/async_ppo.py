@@ -59,8 +59,10 @@ class AsyncPPORecipe:
 
     0. batch ``step`` from the rollout queue, every token at most ``rollout.max_staleness``
        versions old: generated in the background while the previous step trained
-       (``rollout.mode: overlap``), or now, then the engine sleeps (``alternate``).
-    1. rewards: scored by ``reward`` as the samples arrive.
+       (``rollout.mode: overlap``), or now, then the engine sleeps (``alternate``). With
+       ``env`` every sample is a multi-turn episode: an environment answers each model turn with
+       observation tokens (response_mask 0, version -1) until it ends it (docs/multi_turn.md).
+    1. rewards: scored by ``reward`` as the samples arrive (an episode: by its environment).
     2. no-grad passes: reference logprobs (``kl.coef > 0``), critic values (GAE) and
        ``correction.prepare``: the step's anchors, IS weights and keep-mask (docs/corrections.md).
     3. advantages: GAE over per-token rewards (``advantage_estimator: gae``, with a critic) or

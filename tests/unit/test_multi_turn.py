@@ -424,3 +424,29 @@ def test_observation_encoder_follows_the_chat_template_and_appends():
     assert enc("4", tok.encode(">")[0]) == [1, *obs]
     with pytest.raises(ValueError, match="chat template of toy-qwen is not append-only"):
         observation_encoder(QwenLikeTokenizer(drop_past=True))("4", 1)
+
+
+def test_built_in_environments_score_as_documented():
+    from minippo.data.prompts import PromptExample
+    from minippo.data.tasks import Calculator, RetryWithFeedback
+    from minippo.data.tasks.multi_turn import calculate
+    from minippo.env import Turn
+
+    def turn(i, text):
+        return Turn(i, [], text, "stop", False)
+
+    retry, row = RetryWithFeedback(retry_reward=0.9), PromptExample(0, (1,), "301=", "103")
+    st = retry.reset(row, 0)
+    assert retry.step(st, turn(0, "103")) == StepResult(reward=1.0)  # right at once: ends
+    assert retry.step(st, turn(0, "100")) == StepResult(observation=":103=", reward=0.0)
+    assert retry.step(st, turn(1, "133")).reward == pytest.approx(0.9 * 2 / 3)
+    calc, row = Calculator(call_reward=0.2), PromptExample(0, (1,), "3+4=", "7")
+    st = calc.reset(row, 0)
+    assert calc.step(st, turn(0, "7")).reward == 1.0  # a right answer without the tool
+    st = calc.reset(row, 0)
+    assert calc.step(st, turn(0, "x(")).observation == "7."  # the tag calls the tool
+    assert calc.step(st, turn(1, "7")).reward == 1.0
+    assert calc.step(st, turn(1, "5")).reward == pytest.approx(0.2)
+    assert calculate("12*3=") == 36 and calculate("9-4") == 5
+    with pytest.raises(ValueError, match="the calculator reads"):
+        calculate("1/0")

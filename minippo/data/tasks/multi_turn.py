@@ -5,16 +5,14 @@ toy prompt sets, scored by the environment itself (``StepResult.reward``).
   ``"103"`` for ``op: reverse``): a first answer that is exactly right scores 1; a wrong one gets
   the observation ``":103="`` (the answer as a hint) and the second answer scores
   ``retry_reward`` x the fraction of its positions that are right: lower than a right first
-  answer, and reachable only by reading the observation.
-* :class:`Calculator` over :func:`~minippo.data.tasks.arithmetic_task` (``"23+47="``, answer
-  ``"70"``): a turn that ends with the calculator tag ``"("`` (the environment's stop token) calls
-  the calculator on the prompt's expression, whose result comes back as the observation
-  ``"70="``; the model then answers. The answer (the first turn's text when it calls no tool)
-  scores the fraction of its positions that are right; an episode that called the tool scores
+  answer, and a copy of the observation.
+* :class:`Calculator` over :func:`~minippo.data.tasks.arithmetic_task` (``"3+4="``, answer
+  ``"7"``): a turn that ends with the calculator tag ``"("`` (the environment's stop token) calls
+  the calculator on the prompt's expression, whose result comes back as the observation ``"7."``;
+  the model then answers. The answer (the first turn's text when it calls no tool) scores the
+  fraction of its positions that are right; an episode that called the tool scores
   ``call_reward + (1 - call_reward) x`` that fraction (a format reward for a well-formed call, as
-  agentic recipes give, without which a random policy almost never finds the tool). Sums of
-  two-digit numbers are out of reach of a tiny model from scratch; copying the tool's result is
-  not.
+  agentic recipes give, without which a random policy almost never finds the tool).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import pytest
 from minippo.config import ConfigError, load_config
 from minippo.training import preflight
 from minippo.training.metrics import read_jsonl
+from tests.recipes.seeds import SEEDS, check_learns, pooled_stdev
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,3 +106,49 @@ def test_validate_refuses_impossible_multi_turn_settings(overrides, line):
 def test_validate_accepts_the_shipped_multi_turn_configs():
     for name in ("tiny_multiturn_cpu", "tiny_multiturn_tool_cpu"):
         preflight.check_async_ppo_config(load_config(name), world_size=1, distributed=False)
+
+
+def learned(config: str, estimator: str, seed: int, out: Path) -> float:
+    """The config as shipped (one estimator, one seed): its mean reward over the last 10 steps."""
+    proc = cli(
+        "run", "async_ppo", "--config", config, f"advantage_estimator={estimator}",
+        f"seed={seed}", f"output_dir={out}", "progress_bar=false", "checkpoint.export_hf=false",
+        timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "rollout/reward_mean" in r]
+    assert rows[0]["rollout/reward_mean"] < 0.1  # from chance
+    return sum(r["rollout/reward_mean"] for r in rows[-10:]) / 10
+
+
+# Measured, the configs as shipped, seeds 0-2, mean reward over the last 10 of 200 steps, on a
+# 2-core AMD EPYC shared with other jobs (docs/multi_turn.md "Results"); bounds: tests/recipes/seeds.py
+RETRY_MEASURED = {
+    "gae": [0.916, 0.925, 0.929],
+    "grpo": [0.921, 0.925, 0.684],  # seed 2 climbs slowly: 0.70 at step 200
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_tiny_multiturn_cpu_learns(tmp_path, estimator):
+    scores = {s: learned("tiny_multiturn_cpu", estimator, s, tmp_path / f"s{s}") for s in SEEDS}
+    spread = pooled_stdev(*RETRY_MEASURED.values())
+    check_learns(scores, RETRY_MEASURED[estimator], f"tiny_multiturn_cpu {estimator}", spread)
+
+
+# Measured as RETRY_MEASURED, tiny_multiturn_tool_cpu: every run calls the tool in > 90% of its
+# episodes from step ~20; reading its result is not reliable yet (docs/multi_turn.md "Results").
+TOOL_MEASURED = {"grpo": [0.828, 0.364, 0.691], "gae": [0.675, 0.366, 0.606]}
+
+
+@pytest.mark.slow
+def test_tiny_multiturn_tool_cpu_learns_to_call_the_tool(tmp_path):
+    scores = {s: learned("tiny_multiturn_tool_cpu", "grpo", s, tmp_path / f"s{s}") for s in SEEDS}
+    for s in SEEDS:
+        rows = [
+            r for r in read_jsonl(tmp_path / f"s{s}" / "metrics.jsonl") if "rollout/turns_mean" in r
+        ]
+        assert rows[0]["rollout/turns_mean"] < 1.2 and rows[-1]["rollout/turns_mean"] > 1.9
+    spread = pooled_stdev(*TOOL_MEASURED.values())
+    check_learns(scores, TOOL_MEASURED["grpo"], "tiny_multiturn_tool_cpu grpo", spread)

@@ -42,6 +42,13 @@ class EchoTwice:
 '''
 
 
+VALIDATION = (
+    "{every_n_steps: 2, before_train: true, samples_per_prompt: 2, temperature: null, "
+    "max_new_tokens: null, dataset: {_component_: minippo.data.tasks.digit_task, op: reverse, "
+    'length: 3, alphabet: "0123", num_prompts: 4, seed: 1}}'
+)
+
+
 def cli(*args: str, pythonpath: Path | None = None, timeout: float = 300):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     if pythonpath is not None:
@@ -59,10 +66,13 @@ def test_a_users_environment_in_its_own_file_trains_and_evaluates(tmp_path):
         "run", "async_ppo", "--config", "tiny_multiturn_cpu", "env._component_=my_envs.EchoTwice",
         "~env.retry_reward", "+env.bonus=0.0", "total_steps=2", "rollout.groups_per_batch=8",
         f"output_dir={out}", "progress_bar=false", "engine.in_process=true",
-        "checkpoint.export_hf=false", pythonpath=tmp_path,
+        "checkpoint.export_hf=false", f"eval={VALIDATION}", pythonpath=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "rollout/reward_mean" in r]
+    logged = read_jsonl(out / "metrics.jsonl")
+    # validation during training runs the same episodes (before step 0 and after the last)
+    assert [r["eval/turns_mean"] for r in logged if "eval/samples" in r] == [2.0, 2.0]
+    rows = [r for r in logged if "rollout/reward_mean" in r]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert 1.0 <= r["rollout/turns_mean"] <= 2.0

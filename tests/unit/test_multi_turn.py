@@ -88,7 +88,7 @@ def make_queue(engine, env, *, max_new=32, mode="overlap", **kw) -> RolloutQueue
 
 def test_each_turn_requests_the_exact_context_and_the_layout_marks_observations():
     eng = ScriptedEngine(turn_len=3)
-    with make_queue(eng, ThreeTurns()) as queue:
+    with make_queue(eng, ThreeTurns(), max_staleness=0) as queue:  # nothing generated ahead
         queue.start()
         b = queue.get_batch(0)
     # every turn's request is the previous request + its completion + the observation
@@ -304,11 +304,13 @@ def test_env_steps_run_concurrently_across_episodes():
             return StepResult(reward=1.0)
 
     env = Sleepy()
-    t0 = time.perf_counter()
-    with make_queue(ScriptedEngine(), env, multi_turn=multi(env, workers=4)) as queue:
+    mt = multi(env, workers=4)
+    with make_queue(ScriptedEngine(), env, multi_turn=mt, max_staleness=0) as queue:
+        t0 = time.perf_counter()
         queue.start()
         queue.get_batch(0)
-    assert time.perf_counter() - t0 < 0.3 * 4 * 0.6  # 4 episodes' steps at once, not in turn
+        seconds = time.perf_counter() - t0
+    assert seconds < 0.3 * 4 * 0.6  # the 4 episodes' steps at once, not one after another
 
 
 def test_observation_encoder_without_a_chat_template_encodes_the_text():

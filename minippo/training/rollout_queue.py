@@ -40,6 +40,14 @@ would break the bound restarts from its prompt (``rollout/restarted``); with
 ``partial_rollout=False`` every unfinished carried sample does. With TorchEngine, whose stops are
 exact and whose requests are seeded, a run is reproducible and resumes exactly.
 
+Multi-turn episodes (``multi_turn``, docs/multi_turn.md): a sample is an episode of an
+environment. Each model turn is a request whose prompt is the exact context so far; the
+environment's answers (run concurrently, under a timeout) append observation tokens, marked
+version -1 with logprob 0 (response_mask 0 in the batch), until it ends the episode with its
+reward. Both schedules run them with the same groups, seeds, staleness rule, carrying, restarts
+and state (a carried episode's environment state is saved with it); overlap runs a batch's
+episodes to their end, alternate runs rounds of one turn per unfinished episode.
+
 Usage (the recipe's whole interface)::
 
     queue = RolloutQueue(engine, prompts, groups_per_batch=8, samples_per_prompt=4,
@@ -74,7 +82,7 @@ from minippo.engine.protocol import (
     WeightBucket,
     settled_finish_reason,
 )
-from minippo.env import EnvError, EnvRunner, Fault, MultiTurn, StepResult, Turn
+from minippo.env import ON_ERROR, EnvError, EnvRunner, Fault, MultiTurn, StepResult, Turn
 from minippo.rl.correction import staleness_metrics
 from minippo.rl.types import RolloutBatch
 from minippo.training.placement import ROLLOUT_MODES
@@ -416,6 +424,11 @@ class RolloutQueue:
         self._runner: EnvRunner | None = None
         self._env_faults = {"timeout": 0, "error": 0}  # cumulative, zero_reward outcomes
         if multi_turn is not None:
+            if multi_turn.on_error not in ON_ERROR:
+                raise ValueError(
+                    f"multi_turn.on_error must be one of {', '.join(ON_ERROR)}, got "
+                    f"{multi_turn.on_error!r}"
+                )
             if multi_turn.max_turn_tokens < 1 or multi_turn.max_turns < 1:
                 raise ValueError(
                     f"multi_turn.max_turns ({multi_turn.max_turns}) and multi_turn."

@@ -446,7 +446,7 @@ def test_built_in_environments_score_as_documented():
     st = calc.reset(row, 0)
     assert calc.step(st, turn(0, "7")).reward == 1.0  # a right answer without the tool
     st = calc.reset(row, 0)
-    assert calc.step(st, turn(0, "x(")).observation == "7."  # the tag calls the tool
+    assert calc.step(st, turn(0, "x(")).observation == "7"  # the tag calls the tool
     assert calc.step(st, turn(1, "7")).reward == 1.0
     assert calc.step(st, turn(1, "5")).reward == pytest.approx(0.2)
     assert calculate("12*3=") == 36 and calculate("9-4") == 5

@@ -8,8 +8,8 @@ toy prompt sets, scored by the environment itself (``StepResult.reward``).
   answer, and a copy of the observation.
 * :class:`Calculator` over :func:`~minippo.data.tasks.arithmetic_task` (``"3+4="``, answer
   ``"7"``): a turn that ends with the calculator tag ``"("`` (the environment's stop token) calls
-  the calculator on the prompt's expression, whose result comes back as the observation ``"7."``;
-  the model then answers. The answer (the first turn's text when it calls no tool) scores the
+  the calculator on the prompt's expression, whose result comes back as the observation ``"7"``;
+  the model then answers (a copy of the tokens just before it). The answer (the first turn's text when it calls no tool) scores the
   fraction of its positions that are right; an episode that called the tool scores
   ``call_reward + (1 - call_reward) x`` that fraction (a format reward for a well-formed call, as
   agentic recipes give, without which a random policy almost never finds the tool).
@@ -89,7 +89,7 @@ class Calculator(Environment):
         if turn.index == 0 and turn.text.endswith("("):  # a tool call
             state["called"] = True
             value = calculate(state["expression"])
-            return StepResult(observation=f"{value}.", reward=self.call_reward)
+            return StepResult(observation=str(value), reward=self.call_reward)
         score = position_match(turn.text, state["answer"])
         if state["called"]:
             score = self.call_reward + (1.0 - self.call_reward) * score

@@ -24,6 +24,7 @@ from minippo.config import instantiate, torch_dtype
 from minippo.data import PromptStream
 from minippo.engine import SamplingParams
 from minippo.engine.torch_engine import default_num_threads
+from minippo.env import build_multi_turn
 from minippo.rl.correction import build_correction
 from minippo.training import preflight
 from minippo.training.checkpoint import Checkpointer, RNGState
@@ -58,8 +59,10 @@ class AsyncPPORecipe:
 
     0. batch ``step`` from the rollout queue, every token at most ``rollout.max_staleness``
        versions old: generated in the background while the previous step trained
-       (``rollout.mode: overlap``), or now, then the engine sleeps (``alternate``).
-    1. rewards: scored by ``reward`` as the samples arrive.
+       (``rollout.mode: overlap``), or now, then the engine sleeps (``alternate``). With
+       ``env`` every sample is a multi-turn episode: an environment answers each model turn with
+       observation tokens (response_mask 0, version -1) until it ends it (docs/multi_turn.md).
+    1. rewards: scored by ``reward`` as the samples arrive (an episode: by its environment).
     2. no-grad passes: reference logprobs (``kl.coef > 0``), critic values (GAE) and
        ``correction.prepare``: the step's anchors, IS weights and keep-mask (docs/corrections.md).
     3. advantages: GAE over per-token rewards (``advantage_estimator: gae``, with a critic) or
@@ -142,6 +145,9 @@ class AsyncPPORecipe:
             longest["eval.dataset"] = preflight.longest_prompt(self.eval_set)
         preflight.raise_problems(preflight.context_problems(cfg, args, prompt_tokens=longest))
         self.engine = instantiate(cfg.engine, model_args=args)
+        # env: multi-turn episodes (an environment answers each turn; docs/multi_turn.md)
+        budget = cfg.rollout.max_new_tokens  # the whole response, model and observation tokens
+        self.multi_turn = build_multi_turn(cfg, self.tokenizer, args.vocab_size, budget)
         self.actor = self._build_model(args, cfg.checkpoint_path, seed=cfg.seed)
         self.critic = self.ref = None  # the reference: frozen, no activation checkpointing
         if self.use_critic:
@@ -188,6 +194,7 @@ class AsyncPPORecipe:
             sync_every=self.sync_every,
             mode=rollout_mode(cfg),
             oversample=float(preflight.setting(cfg, "rollout.oversample")),
+            multi_turn=self.multi_turn,  # None: single-turn samples
         )
         if self.is_main and self.queue.mode == "alternate" and self.engine.max_batch_size:
             groups = self.queue.in_flight  # over-provisioned groups per rank
@@ -409,6 +416,7 @@ class AsyncPPORecipe:
             result = evaluate(
                 self.engine, self.eval_set, reward_fn=self.reward_fn, decode=self.tokenizer.decode,
                 sampling=sampling, samples_per_prompt=cfg.samples_per_prompt, seed=self.cfg.seed,
+                multi_turn=self.multi_turn,
             )  # fmt: skip
         self.logger.log({**result.metrics, "perf/eval_s": result.seconds}, step=steps_done)
 

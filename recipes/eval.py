@@ -22,6 +22,7 @@ from minippo import models, parallel
 from minippo.config import instantiate
 from minippo.config.schema import Anything, Bool, Component, Dtype, Float, Int, Section, Spec, Str
 from minippo.engine import SamplingParams
+from minippo.env import build_multi_turn
 from minippo.training import evaluation, preflight
 from minippo.training.checkpoint import Checkpointer, verify_checkpoint
 from minippo.training.metrics import NoOpLogger
@@ -60,6 +61,9 @@ EVAL_SCHEMA: dict[str, Spec] = {
     "samples_path": Str(),
     "metric_logger": Component(),
     "progress_bar": Bool(),
+    # multi-turn episodes, as in training (docs/multi_turn.md); null: single-turn samples
+    "env": preflight.ASYNC_PPO_SCHEMA["env"],
+    "multi_turn": preflight.ASYNC_PPO_SCHEMA["multi_turn"],
 }
 
 
@@ -81,6 +85,7 @@ def validate_config(cfg: DictConfig, world_size: int, distributed: bool = True) 
                 f"{OmegaConf.to_container(cfg.pass_k) if ks is not None else cfg.pass_k!r}; e.g. "
                 f"pass_k=[1,{n}]"
             )
+    problems += preflight.multi_turn_problems(cfg, "sampling.max_new_tokens")
     if cfg.training_checkpoint is not None:
         problems += training_checkpoint_problems(cfg)
     elif cfg.checkpoint_path is None:
@@ -164,6 +169,8 @@ class EvalRecipe:
        ``eval/truncated_frac``, ``eval/prompts``, ``eval/samples``: printed, and logged by
        ``metric_logger`` at the checkpoint's step (0 for an HF folder); one JSON line per sample
        (prompt, answer, response, reward, correct, length, finish reason) in ``samples_path``.
+       With ``env`` set every sample is an episode of that environment, run as in training
+       (docs/multi_turn.md): its reward is the environment's, and ``eval/turns_mean`` is added.
 
     Engines: TorchEngine on CPU (``in_process: true``: generation in a thread of this process,
     with ``cpu_threads`` torch threads), SGLangEngine on a GPU (its ``model_path`` an HF folder
@@ -204,6 +211,9 @@ class EvalRecipe:
         )
         args = model_args(cfg)  # its vocabulary fits the tokenizer: preflight
         self.engine = instantiate(cfg.engine, model_args=args)
+        # env: every sample an episode of the environment (reward, pass@k, turns)
+        budget = cfg.sampling.max_new_tokens  # the whole response, observation tokens included
+        self.multi_turn = build_multi_turn(cfg, self.tokenizer, args.vocab_size, budget)
         self.step = self._publish_weights(args)
         self.logger = instantiate(cfg.metric_logger) if self.is_main else NoOpLogger()
         self.logger.log_config(OmegaConf.to_container(cfg, resolve=True))
@@ -253,6 +263,7 @@ class EvalRecipe:
             pass_k=None if cfg.pass_k is None else list(cfg.pass_k),
             correct_threshold=cfg.correct_threshold,
             progress=self.is_main and cfg.progress_bar,
+            multi_turn=self.multi_turn,
         )
         # step 4. every rank's samples to rank 0's jsonl; metrics logged and printed
         rows = evaluation.gather_samples(result.samples)

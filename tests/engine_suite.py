@@ -352,6 +352,28 @@ class EngineProtocolSuite:
             worst = max(worst, *(abs(a - b) for a, b in zip(c.logprobs, ref)))
         assert worst <= harness.logprob_tol, worst
 
+    def test_multi_turn_logprobs_match_one_forward_of_the_whole_episode(self, engine, harness):
+        """A 3-turn episode as the rollout queue runs it: each turn's request is the exact
+        context so far (prompt, sampled ids, observation ids); the engine's logprobs of every
+        turn equal the trainer's ONE teacher-forced forward of the whole episode at the model
+        tokens' positions (alignment at the turn junctions: positions across observations)."""
+        if harness.reference_logprobs is None:
+            pytest.skip("no reference model for this backend")
+        obs = [3, 4, 5, 6][: max(1, min(4, harness.vocab_size - 1))]
+        context, model_at, engine_lp = list(harness.prompt), [], []
+        for turn in range(3):
+            r = req(context, f"turn{turn}", temperature=1.0, max_new_tokens=5, seed=11 + turn)
+            (c,) = engine.generate([r])
+            assert c.prompt_ids == context  # token in: the request is the context as it is
+            model_at += range(len(context), len(context) + len(c.token_ids))
+            engine_lp += c.logprobs
+            context = context + c.token_ids + (obs if turn < 2 else [])
+        start = len(harness.prompt)
+        ref = harness.reference_logprobs(0, harness.prompt, context[start:], 1.0)
+        ref_at_model = [ref[i - start] for i in model_at]
+        worst = max(abs(a - b) for a, b in zip(engine_lp, ref_at_model, strict=True))
+        assert worst <= harness.logprob_tol, worst
+
     def test_pause_publish_resume_continues_under_new_weights(self, engine, harness):
         r = req(harness.prompt, "long", max_new_tokens=harness.long_tokens, seed=5)
         t, box = run_in_thread(lambda: engine.generate([r]))

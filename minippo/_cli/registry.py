@@ -34,6 +34,8 @@ RECIPES: tuple[Recipe, ...] = (
         configs=(
             Config(name="tiny_cpu", file_path="tiny_cpu.yaml"),
             Config(name="tiny_math_cpu", file_path="tiny_math_cpu.yaml"),
+            Config(name="tiny_multiturn_cpu", file_path="tiny_multiturn_cpu.yaml"),
+            Config(name="tiny_multiturn_tool_cpu", file_path="tiny_multiturn_tool_cpu.yaml"),
             Config(name="tiny_sglang_cpu", file_path="tiny_sglang_cpu.yaml"),
             Config(
                 name="qwen3_0_6b_gsm8k_1gpu",

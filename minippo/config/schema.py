@@ -193,9 +193,14 @@ class Section(Spec):
     """A mapping whose keys are all declared in ``keys``."""
 
     def __init__(
-        self, keys: Mapping[str, Spec], *, null: bool = False, optional: bool = False
+        self,
+        keys: Mapping[str, Spec],
+        *,
+        null: bool = False,
+        optional: bool = False,
+        default: Any = NO_DEFAULT,
     ) -> None:
-        super().__init__(null=null, optional=optional)
+        super().__init__(null=null, optional=optional, default=default)
         self.keys = dict(keys)
 
     def describe(self) -> str:
@@ -207,10 +212,15 @@ class Component(Section):
     others are checked against the callable's signature by ``minippo.config.validate``)."""
 
     def __init__(
-        self, keys: Mapping[str, Spec] | None = None, *, null: bool = False, optional: bool = False
+        self,
+        keys: Mapping[str, Spec] | None = None,
+        *,
+        null: bool = False,
+        optional: bool = False,
+        default: Any = NO_DEFAULT,
     ) -> None:
         keys = {k: _as_optional(s) for k, s in (keys or {}).items()}
-        super().__init__(keys, null=null, optional=optional)
+        super().__init__(keys, null=null, optional=optional, default=default)
 
     def describe(self) -> str:
         return self._or_null("a mapping with a _component_ key")

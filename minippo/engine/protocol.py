@@ -15,6 +15,15 @@ otherwise). ``publish_weights(buckets, version)`` loads new weights and sets ``v
 version. Each generated token carries the version of the weights that computed its logits, so a
 response that was paused, re-weighted and resumed (a partial rollout) carries several versions.
 
+Tokens not sampled by the policy (the one marker convention, also in ``minippo/rl/types.py``).
+An engine only ever returns sampled tokens: every version it stamps is >= 0. A multi-turn
+trajectory (``minippo.env``) also holds observation tokens, written by an environment between
+model turns; in a :class:`Completion` the rollout queue builds for such a trajectory they carry
+version ``-1`` and logprob ``0.0``, and in a batch ``response_mask`` 0 (``versions == -1`` exactly
+where ``response_mask == 0``; padding and observations differ only in ``attention_mask``). A
+turn's request is the exact context so far (prompt, then every sampled and observation id); each
+turn may carry its own ``stop_token_ids`` (the environment's stop ids per turn).
+
 Logprobs. The logprob of a sampled token is ``log_softmax(logits / T)`` over the FULL vocabulary at
 the request's temperature ``T`` (never renormalised for top-k / top-p). For greedy decoding
 (``T == 0``) it is ``log_softmax(logits)`` (T = 1). This is what SGLang returns too, so the trainer
@@ -154,7 +163,9 @@ class Completion:
         prompt_ids:    the request's prompt ids.
         token_ids:     R generated token ids (including a final stop token, if one was sampled).
         logprobs:      R floats, log_softmax(logits / T)[token] over the full vocabulary.
-        versions:      R ints, the weight version that sampled each token.
+        versions:      R ints, the weight version that sampled each token (>= 0 from an engine;
+                       -1 marks an observation token in a multi-turn trajectory the queue built,
+                       with logprob 0.0: see "Tokens not sampled by the policy").
         finish_reason: "stop" (a stop id was sampled), "length" (max_new_tokens reached) or
                        "abort" (stopped by abort() before it finished; the tokens so far are
                        kept). An "abort" completion is unfinished: it holds fewer than

@@ -5,6 +5,22 @@ Layout convention (the same everywhere in minippo): a batch of B sequences is st
 ``[:, P:]`` is RIGHT-padded. Every per-token RL tensor (logprobs, values, advantages, versions,
 masks) is response-aligned, shape ``[B, R]``: column j refers to the response token
 ``input_ids[:, P + j]``, whose logprob comes from the logits at position ``P + j - 1``.
+
+Tokens not sampled by the policy (the one marker convention, also in the engine protocol): a
+response position that the policy did not sample has ``response_mask == 0``, ``versions == -1``
+and ``rollout_logprobs == 0``; the two kinds differ only in ``attention_mask``:
+
+* padding (after the response): ``attention_mask`` False, no position of its own;
+* an observation token of a multi-turn episode (written by an environment between model
+  turns, ``minippo.env``): ``attention_mask`` True and a position of its own, so later tokens
+  attend to it, exactly as the engine saw the context.
+
+Every consumer masks with ``response_mask``, so observations are excluded from the policy loss,
+KL, entropy, the token-mean denominators, advantage whitening, the correction's statistics and
+keep-masks, and the staleness count (``versions >= 0``). GAE skips them: a masked position is not
+a transition, so the value after a model turn's last token is the critic's value before the
+next model turn's first token (the state that includes the observation), discounted once, as
+AReaL and verl do; a reward sits on the episode's last model token.
 """
 
 from __future__ import annotations
@@ -22,10 +38,12 @@ class RolloutBatch:
         input_ids:        int64 [B, P + R]  left-padded prompt | right-padded response
         attention_mask:   bool  [B, P + R]  True on real (non-pad) tokens
         position_ids:     int64 [B, P + R]  0-based positions of real tokens (pads: 0)
-        response_mask:    float32 [B, R]    1.0 on generated tokens, 0.0 on padding
+        response_mask:    float32 [B, R]    1.0 on generated tokens, 0.0 on padding and on
+                                            observation tokens (module docstring)
         rollout_logprobs: float32 [B, R]    μ: the engine's logprob of each sampled token
                                             (log_softmax(logits / T) over the full vocab); 0 on pads
         versions:         int64 [B, R]      weight version that sampled each token; -1 on pads
+                                            and observation tokens
         rewards:          float32 [B]       scalar reward of each sequence
         group_ids:        int64 [B]         index of the prompt a sample came from (GRPO groups)
         truncated:        bool  [B]         True when the response was cut by max_new_tokens

@@ -568,19 +568,21 @@ class UnsafeCheckpointError(ValueError):
 def checkpoint_state_types() -> list[type | tuple[type, str]]:
     """The classes (besides tensors and Python's containers and scalars) that the per-rank
     ``extra_rank*.pt`` of a minippo checkpoint may hold: the rollout queues' batches, samples and
-    carried groups, with the prompt items and completions inside them. :func:`load_extra_state`
+    carried groups (multi-turn episodes too), with the prompt items and completions inside them. :func:`load_extra_state`
     allows exactly these; a Stateful of your own whose ``state_dict()`` holds another class
     registers it with ``torch.serialization.add_safe_globals([YourClass])`` where it is defined
     (a plain dict of tensors and numbers needs nothing)."""
     from minippo.data.prompts import PromptExample
     from minippo.engine.protocol import Completion
     from minippo.rl.types import RolloutBatch
-    from minippo.training.rollout_queue import QueueBatch, RolloutSample, _Group, _Sample
+    from minippo.training.rollout_queue import QueueBatch, RolloutSample, _Episode, _Group, _Sample
 
     # the carried groups of an alternate-mode queue, under their module's earlier name too
     old = "minippo.training.alternating_queue"
     return [
         *(QueueBatch, RolloutSample, RolloutBatch, Completion, PromptExample, _Group, _Sample),
+        _Episode,  # a carried multi-turn episode; its environment state is plain data or a
+        # class its environment's module registers (docs/multi_turn.md)
         *((_Group, f"{old}._Group"), (_Sample, f"{old}._Sample")),
     ]
 

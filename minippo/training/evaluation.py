@@ -47,7 +47,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from minippo.engine.protocol import GenerateRequest, RolloutEngine, SamplingParams
-from minippo.training.rollout_queue import RolloutSample, prompt_ids_of, sample_seed, score_sample
+from minippo.training.rollout_queue import (
+    RolloutSample,
+    prompt_ids_of,
+    run_episodes,
+    sample_seed,
+    score_sample,
+)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -135,6 +141,7 @@ def evaluate(
     prefix: str = "eval/",
     on_sample: Callable[[EvalSample], None] | None = None,
     progress: bool = False,
+    multi_turn: Any = None,
 ) -> EvalResult:
     """Sample, score and summarise; see the module docstring. Collective under torch.distributed.
 
@@ -154,6 +161,10 @@ def evaluate(
         prefix: the metrics' namespace (``"eval/"``; e.g. ``"val/"`` inside training).
         on_sample: called with each scored sample as it finishes (finishing order).
         progress: show a tqdm bar over this rank's samples (pass it on one rank only).
+        multi_turn: a :class:`minippo.env.MultiTurn`: every sample is an episode of its
+            environment, run as the rollout queue runs them (``run_episodes``); the reward is
+            the environment's (else ``reward_fn``'s), ``response_len`` counts model tokens and
+            the metrics add ``turns_mean``.
     """
     n = samples_per_prompt
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -184,12 +195,32 @@ def evaluate(
     reward_name = _name(reward_fn)
     t0 = time.perf_counter()
     out: dict[tuple[int, int], EvalSample] = {}
+    if multi_turn is not None:
+        episodes = run_episodes(
+            engine, [(i, examples[i]) for i in positions], samples_per_prompt=n,
+            sampling=sampling, multi_turn=multi_turn, seed=seed, decode=decode,
+            reward_fn=lambda s: reward_fn(s.prompt, s.text), reward_name=reward_name,
+        )  # fmt: skip
+        turns = {}
+        for e in episodes:
+            i, j = divmod(e.sample_index, n)
+            c = e.completion
+            row = EvalSample(
+                prompt_index=i, sample=j, prompt=str(getattr(e.prompt, "prompt", "")),
+                answer=str(getattr(e.prompt, "answer", "")), response=e.text or "",
+                reward=float(e.reward), correct=float(e.reward) >= threshold,
+                response_len=sum(v >= 0 for v in c.versions), finish_reason=c.finish_reason,
+            )  # fmt: skip
+            out[(i, j)], turns[(i, j)] = row, e.turns
+            if on_sample is not None:
+                on_sample(row)
+        requests = [None] * len(out)  # every episode ran to its end
     bar = tqdm(
         total=len(requests), desc="eval", unit="sample", disable=not progress, dynamic_ncols=True
     )
     reward_sum = 0.0
     try:
-        for c in engine.stream(requests) if requests else ():
+        for c in engine.stream(requests) if requests and multi_turn is None else ():
             i, j = where[c.request_id]
             if c.finish_reason == "abort":
                 raise RuntimeError(
@@ -239,6 +270,7 @@ def evaluate(
                 correct=sum(s.correct for s in mine),
                 lengths=[s.response_len for s in mine],
                 truncated=sum(s.finish_reason == "length" for s in mine),
+                turns=tuple(turns[(i, j)] for j in range(n)) if multi_turn is not None else (),
             )
         )
     if world > 1:
@@ -256,6 +288,7 @@ class _PromptStats(NamedTuple):
     correct: int  # c of pass@k
     lengths: list[int]  # n, generated tokens
     truncated: int  # samples cut at max_new_tokens
+    turns: tuple[int, ...] = ()  # n model turns of multi-turn episodes (empty: single-turn)
 
 
 def _summary(
@@ -271,6 +304,8 @@ def _summary(
     lengths = math.fsum(x for p in per_prompt for x in p.lengths)
     metrics[f"{prefix}response_len_mean"] = lengths / total
     metrics[f"{prefix}truncated_frac"] = math.fsum(p.truncated for p in per_prompt) / total
+    if any(p.turns for p in per_prompt):
+        metrics[f"{prefix}turns_mean"] = math.fsum(t for p in per_prompt for t in p.turns) / total
     metrics[f"{prefix}prompts"] = float(prompts)
     metrics[f"{prefix}samples"] = float(total)
     return metrics

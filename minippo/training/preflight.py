@@ -102,6 +102,19 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
         }
     ),
     "correction": Component(null=True, optional=True),
+    # multi-turn episodes (docs/multi_turn.md): null = single-turn prompt -> response samples
+    "env": Component(null=True, default=None),
+    "multi_turn": Section(
+        {
+            "max_turns": Int(min=1, default=4),
+            "max_turn_tokens": Int(min=1, null=True, default=None),  # null: rollout.max_new_tokens
+            "step_timeout_s": Float(gt=0, default=30.0),
+            "on_error": Str(("raise", "zero_reward"), default="raise"),
+            "workers": Int(min=1, default=8),
+            "observation_role": Str(default="tool"),
+        },
+        optional=True,
+    ),
     "eval": Section(
         {
             "every_n_steps": Int(min=1, null=True),
@@ -242,6 +255,35 @@ def config_problems(cfg: DictConfig, schema: dict[str, Spec], world_size: int = 
     return problems
 
 
+def multi_turn_problems(cfg: DictConfig, budget_key: str = "rollout.max_new_tokens") -> list[str]:
+    """The budgets of multi-turn episodes (``env`` set) that cannot hold: a per-turn cap above
+    the whole response budget (``budget_key``: model and observation tokens), more turns than
+    the budget has tokens; ``multi_turn`` keys set without an ``env``."""
+    budget = OmegaConf.select(cfg, budget_key)
+    if setting(cfg, "env") is None:
+        set_keys = sorted(OmegaConf.select(cfg, "multi_turn", default=None) or {})
+        if set_keys:
+            return [
+                f"multi_turn.{set_keys[0]} is set but env is null (single-turn samples): set "
+                "env._component_ to an environment class, or remove the multi_turn section"
+            ]
+        return []
+    problems = []
+    cap, turns = setting(cfg, "multi_turn.max_turn_tokens"), setting(cfg, "multi_turn.max_turns")
+    if cap is not None and budget is not None and cap > budget:
+        problems.append(
+            f"multi_turn.max_turn_tokens ({cap}) exceeds {budget_key} ({budget}), the budget "
+            f"of the whole response (model and observation tokens); set "
+            f"multi_turn.max_turn_tokens<={budget} or raise {budget_key}"
+        )
+    if budget is not None and turns > budget:
+        problems.append(
+            f"{budget_key} ({budget}) cannot hold multi_turn.max_turns ({turns}) model turns of "
+            f"one token each; set multi_turn.max_turns<={budget} or raise {budget_key}"
+        )
+    return problems
+
+
 def check_async_ppo_config(cfg: DictConfig, world_size: int, distributed: bool = True) -> None:
     """Raise one ConfigError with every problem of an async PPO config that needs no model: the
     keys, types and ranges of :data:`ASYNC_PPO_SCHEMA`, the components and the correction
@@ -342,6 +384,7 @@ def async_ppo_shape_problems(cfg: DictConfig, world_size: int, distributed: bool
                 "rollout.max_staleness=0 every carried token is too old: all of them would restart "
                 "each step; set rollout.max_staleness>=1 or rollout.oversample=1.0"
             )
+    problems += multi_turn_problems(cfg)
     every = OmegaConf.select(cfg, "eval.every_n_steps", default=None)
     if every is not None and cfg.total_steps % sync_every:
         problems.append(

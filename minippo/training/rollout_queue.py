@@ -40,6 +40,14 @@ would break the bound restarts from its prompt (``rollout/restarted``); with
 ``partial_rollout=False`` every unfinished carried sample does. With TorchEngine, whose stops are
 exact and whose requests are seeded, a run is reproducible and resumes exactly.
 
+Multi-turn episodes (``multi_turn``, docs/multi_turn.md): a sample is an episode of an
+environment. Each model turn is a request whose prompt is the exact context so far; the
+environment's answers (run concurrently, under a timeout) append observation tokens, marked
+version -1 with logprob 0 (response_mask 0 in the batch), until it ends the episode with its
+reward. Both schedules run them with the same groups, seeds, staleness rule, carrying, restarts
+and state (a carried episode's environment state is saved with it); overlap runs a batch's
+episodes to their end, alternate runs rounds of one turn per unfinished episode.
+
 Usage (the recipe's whole interface)::
 
     queue = RolloutQueue(engine, prompts, groups_per_batch=8, samples_per_prompt=4,
@@ -74,6 +82,7 @@ from minippo.engine.protocol import (
     WeightBucket,
     settled_finish_reason,
 )
+from minippo.env import ON_ERROR, EnvError, EnvRunner, Fault, MultiTurn, StepResult, Turn
 from minippo.rl.correction import staleness_metrics
 from minippo.rl.types import RolloutBatch
 from minippo.training.placement import ROLLOUT_MODES
@@ -110,6 +119,7 @@ class RolloutSample:
         reward:       the scalar reward (None when the queue has no ``reward_fn``).
         group:        index of the prompt within its batch (equals ``batch.group_ids[row]``).
         sample_index: global index of this sample since the start of training.
+        turns:        model turns of a multi-turn episode (1 for a single-turn sample).
     """
 
     prompt: Any
@@ -119,6 +129,7 @@ class RolloutSample:
     reward: float | None
     group: int
     sample_index: int
+    turns: int = 1
 
 
 @dataclass
@@ -173,6 +184,9 @@ def collate_completions(
         (position of real token = number of real tokens before it; pads 0), response_mask
         float32 [B, R], rollout_logprobs float32 [B, R] (0 on pads), versions int64 [B, R]
         (-1 on pads), rewards float32 [B] (zeros when None), group_ids int64 [B], truncated bool [B].
+        A response token with version -1 (an observation of a multi-turn episode: not sampled by
+        the policy) is attended to (attention_mask True, a position of its own) and gets
+        response_mask 0 (the convention of ``rl/types.py``).
     """
     if not completions:
         raise ValueError("collate_completions needs at least one completion")
@@ -190,7 +204,7 @@ def collate_completions(
             [pad_id] * (p - lp) + list(c.prompt_ids) + list(c.token_ids) + [pad_id] * (r - lr)
         )
         attend.append([False] * (p - lp) + [True] * (lp + lr) + [False] * (r - lr))
-        response.append([1.0] * lr + [0.0] * (r - lr))
+        response.append([1.0 if v >= 0 else 0.0 for v in c.versions] + [0.0] * (r - lr))
         logprobs_rows.append(list(c.logprobs) + [0.0] * (r - lr))
         versions_rows.append(list(c.versions) + [-1] * (r - lr))
     input_ids = torch.tensor(ids, dtype=torch.long)
@@ -221,14 +235,40 @@ class _Sample:
     done: Completion | None = None  # the tokens so far (finish_reason "abort" while partial)
     reward: float | None = None
     attempt: int = 0  # restarts from the prompt
+    multi_turn: bool = False  # an episode of an environment (finished when the episode ends)
+    episode: _Episode | None = None
 
     @property
     def finished(self) -> bool:
+        if self.multi_turn:
+            return self.episode is not None and self.episode.ended
         return self.done is not None and self.done.finish_reason in ("stop", "length")
 
     @property
     def oldest_version(self) -> int | None:
-        return min(self.done.versions) if self.done is not None and self.done.versions else None
+        """The oldest version of its sampled tokens (observation tokens, version -1, have none)."""
+        if self.done is None:
+            return None
+        sampled = [v for v in self.done.versions if v >= 0]
+        return min(sampled) if sampled else None
+
+
+@dataclass
+class _Episode:
+    """A multi-turn sample's episode: the environment's state and where its turns are.
+
+    ``turn_start`` indexes the sample's response tokens where the current model turn begins;
+    the tokens before it are earlier turns and observations (version -1)."""
+
+    state: Any
+    turns: int = 0  # model turns answered by the environment
+    turn_start: int = 0
+    obs_tokens: int = 0
+    ended: bool = False
+    truncated: bool = False  # a budget (turns, tokens) ended it, or cut its last observation
+    obs_cut: bool = False  # an observation was cut to fit the response budget
+    fault: str | None = None  # "timeout" or "error": ended with reward 0 (on_error=zero_reward)
+    reward: float | None = None  # the environment's reward (None: the reward component's)
 
 
 @dataclass
@@ -277,6 +317,16 @@ class RolloutQueue:
         pad_id:             padding token id of the batch tensors.
         seed:               base of the per-request seeds.
         initial_version:    the version of the engine's weights at ``start`` (default: engine.version).
+        multi_turn:         None: single-turn samples. Else every sample is an episode of
+                            ``multi_turn.env`` (:class:`minippo.env.MultiTurn`): turns, each ended
+                            by a stop id or the per-turn cap, answered by the environment with
+                            observation tokens (version -1, response_mask 0) until it ends the
+                            episode; ``sampling.max_new_tokens`` bounds the whole response, model
+                            and observation tokens. Overlap runs a batch's episodes to their end
+                            (a publish with partial rollouts re-weights them mid-turn); alternate
+                            runs rounds of one turn per unfinished episode until
+                            ``groups_per_batch`` groups are complete and carries the others, with
+                            their environment state, into the next step.
     """
 
     def __init__(
@@ -299,6 +349,7 @@ class RolloutQueue:
         pad_id: int = 0,
         seed: int = 0,
         initial_version: int | None = None,
+        multi_turn: MultiTurn | None = None,
     ) -> None:
         if not isinstance(groups_per_batch, int) or groups_per_batch < 1:
             raise ValueError(f"groups_per_batch must be an integer >= 1, got {groups_per_batch!r}")
@@ -369,6 +420,25 @@ class RolloutQueue:
         self._delivered = (0, 0.0)  # tokens and generation seconds of the batches handed out
         self._restarted_total = 0
         self._wake_s = 0.0  # of the last publish, reported with the next batch
+        self.multi_turn = multi_turn
+        self._runner: EnvRunner | None = None
+        self._env_faults = {"timeout": 0, "error": 0}  # cumulative, zero_reward outcomes
+        if multi_turn is not None:
+            if multi_turn.on_error not in ON_ERROR:
+                raise ValueError(
+                    f"multi_turn.on_error must be one of {', '.join(ON_ERROR)}, got "
+                    f"{multi_turn.on_error!r}"
+                )
+            if multi_turn.max_turn_tokens < 1 or multi_turn.max_turns < 1:
+                raise ValueError(
+                    f"multi_turn.max_turns ({multi_turn.max_turns}) and multi_turn."
+                    f"max_turn_tokens ({multi_turn.max_turn_tokens}) must be >= 1"
+                )
+            self._runner = EnvRunner(
+                multi_turn.name, workers=multi_turn.workers, timeout_s=multi_turn.step_timeout_s
+            )
+            stops = self.sampling.stop_token_ids  # a turn ends at the run's and the env's ids
+            self._turn_stops = stops + tuple(t for t in multi_turn.stop_token_ids if t not in stops)
 
     def _oldest_allowed(self, step: int) -> int:
         """The oldest version a token of the batch of ``step`` may have (the staleness rule)."""
@@ -532,7 +602,7 @@ class RolloutQueue:
                 for s in g.samples
                 if s.done is not None
                 for v in s.done.versions
-                if v >= oldest_allowed
+                if v >= max(oldest_allowed, 0)  # -1: observation tokens, not sampled
             }
 
     def metrics(self) -> dict[str, float]:
@@ -541,6 +611,9 @@ class RolloutQueue:
             "rollout/tokens_total": float(self._tokens_generated),
             "rollout/tokens_per_s_total": self._tokens_generated / max(self._gen_time_s, 1e-9),
         }
+        if self.multi_turn is not None:
+            totals["rollout/env_timeouts_total"] = float(self._env_faults["timeout"])
+            totals["rollout/env_errors_total"] = float(self._env_faults["error"])
         if self.mode == "alternate":
             return totals | {"rollout/restarted_total": float(self._restarted_total)}
         return totals | {
@@ -572,7 +645,7 @@ class RolloutQueue:
             tokens += int(ahead.metrics["rollout/tokens"])
             gen_s += ahead.metrics["rollout/gen_time_s"]
         taken = (self._next_step + (ahead is not None)) * self.groups_per_batch
-        return {
+        state = {
             "mode": self.mode,
             "sync_every": self.sync_every,
             "samples_per_prompt": self.samples_per_prompt,
@@ -585,6 +658,9 @@ class RolloutQueue:
             "gen_time_s": gen_s,
             "restarted_total": self._restarted_total,
         }
+        if self.multi_turn is not None:  # carried episodes hold their environment's state
+            state["env_faults"] = dict(self._env_faults)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` saved; call before ``start``. A saved state whose settings
@@ -625,6 +701,7 @@ class RolloutQueue:
         self._tokens_generated = int(state.get("tokens_total", 0))
         self._gen_time_s = float(state.get("gen_time_s", 0.0))
         self._restarted_total = int(state.get("restarted_total", 0))
+        self._env_faults = dict(state.get("env_faults", self._env_faults))
         self._delivered = (self._tokens_generated, self._gen_time_s)
         self._ready.clear()
         if ahead is not None:  # counted again when it is handed out
@@ -639,6 +716,13 @@ class RolloutQueue:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        try:
+            self._close_producer()
+        finally:
+            if self._runner is not None:
+                self._runner.close()
+
+    def _close_producer(self) -> None:
         if self._thread is None:
             return
         deadline = time.perf_counter() + 60.0
@@ -683,10 +767,15 @@ class RolloutQueue:
                         return
                     self._generating = True
                     self._unqueued_version = start_version
-                requests, owners = self._requests(slot, groups)
                 t_gen = time.perf_counter()
+                tokens_before = self._tokens_generated
                 try:
-                    completions = self.engine.generate(requests)
+                    if self.multi_turn is None:
+                        requests, owners = self._requests(slot, groups)
+                        completions = self.engine.generate(requests)
+                    else:  # every turn of the batch's episodes, to their end
+                        completions = None
+                        self._episode_rounds(slot, groups, self.engine.generate, until=None)
                 finally:
                     with self._cond:
                         self._generating = False
@@ -694,14 +783,14 @@ class RolloutQueue:
                 gen_s = time.perf_counter() - t_gen
                 if self._stop:
                     return
-                aborted = [c.request_id for c in completions if c.finish_reason == "abort"]
-                if aborted:
-                    raise RuntimeError(
-                        f"request {aborted[0]} was aborted (by engine.abort() outside the queue); "
-                        "the queue cannot build a batch from partial completions"
-                    )
-                tokens_before = self._tokens_generated
-                self._merge_all(slot, owners, completions)
+                if completions is not None:
+                    aborted = [c.request_id for c in completions if c.finish_reason == "abort"]
+                    if aborted:
+                        raise RuntimeError(
+                            f"request {aborted[0]} was aborted (by engine.abort() outside the "
+                            "queue); the queue cannot build a batch from partial completions"
+                        )
+                    self._merge_all(slot, owners, completions)
                 generated = self._tokens_generated - tokens_before
                 batch = self._assemble(slot, groups, gen_s, generated, start_version)
                 with self._cond:
@@ -733,9 +822,12 @@ class RolloutQueue:
                 f"the prompt source ran out before the batch of step {self._next_step} was filled"
             )
         need = self.groups_per_batch - sum(g.complete for g in self._groups)
-        if need > 0:
+        if need > 0 and self.multi_turn is None:
             requests, owners = self._requests(step, self._groups)
             self._merge_all(step, owners, self.engine.stream(requests, until_groups=need))
+        elif need > 0:  # rounds of one turn per unfinished episode, until G groups are complete
+            stream = lambda reqs: list(self.engine.stream(reqs))  # noqa: E731
+            self._episode_rounds(step, self._groups, stream, until=self.groups_per_batch)
         gen_s = time.perf_counter() - t0
         t_sleep = time.perf_counter()
         if self.sleep:
@@ -772,7 +864,7 @@ class RolloutQueue:
                 oldest = s.oldest_version
                 stale = oldest is not None and oldest < oldest_allowed
                 if stale or (oldest is not None and not s.finished and not self.partial_rollout):
-                    s.done, s.reward = None, None
+                    s.done, s.reward, s.episode = None, None, None  # an episode: reset again
                     s.attempt += 1
                     g.completed_at = None
                     count += 1
@@ -791,7 +883,9 @@ class RolloutQueue:
             index = self._groups_taken
             self._groups_taken += 1
             seeds = [sample_seed(self.seed, index * n + j) for j in range(n)]
-            groups.append(_Group(index, item, prompt_ids_of(item), [_Sample(s) for s in seeds]))
+            multi = self.multi_turn is not None
+            samples = [_Sample(s, multi_turn=multi) for s in seeds]
+            groups.append(_Group(index, item, prompt_ids_of(item), samples))
         return groups
 
     def _requests(
@@ -803,6 +897,11 @@ class RolloutQueue:
         for g in groups:
             for j, s in enumerate(g.samples):
                 if s.finished:
+                    continue
+                if s.multi_turn:
+                    req = self._turn_request(step, g, j, s)
+                    requests.append(req)
+                    owners[req.request_id] = (g, s)
                     continue
                 tokens = s.done.token_ids if s.done is not None else []
                 params = replace(
@@ -836,6 +935,9 @@ class RolloutQueue:
         before = sample.done
         if c.finish_reason == "abort" and not c.token_ids:
             return  # stopped before its first token: nothing changes
+        if sample.multi_turn:
+            self._merge_turn(group, sample, c)
+            return
         tokens = (before.token_ids if before else []) + c.token_ids
         sample.done = Completion(
             request_id=c.request_id,
@@ -853,6 +955,201 @@ class RolloutQueue:
                 self.reward_fn, self.reward_name, self._as_sample(group, sample)
             )
 
+    # ------------------------------------------------------------------ multi-turn episodes
+    def _episode_rounds(
+        self,
+        step: int,
+        groups: list[_Group],
+        run: Callable[[list[GenerateRequest]], list[Completion]],
+        *,
+        until: int | None,
+    ) -> None:
+        """Rounds of one model turn per unfinished episode of ``groups`` (``run`` generates the
+        round's requests to their end), each followed by the environment's answers to the turns
+        that ended, until every episode ended or (``until``) that many groups are complete.
+        Groups are numbered in the order they complete (round, then submission order)."""
+        order = 0
+        while until is None or sum(g.complete for g in groups) < until:
+            self._start_episodes(groups)
+            requests, owners = self._requests(step, groups)
+            if not requests or self._stop:
+                return
+            ended_turns = []
+            for c in run(requests):
+                group, sample = owners[c.request_id]
+                if self._merge_turn(group, sample, c):
+                    ended_turns.append((group, sample))
+            if self._stop:
+                return
+            self._answer_turns(ended_turns)
+            for g in groups:
+                if g.complete and g.completed_at is None:
+                    g.completed_at = (step, order)
+                    order += 1
+
+    def _start_episodes(self, groups: list[_Group]) -> None:
+        """``env.reset(prompt, seed)`` for each sample of ``groups`` without an episode yet,
+        concurrently (the sample's seed: a restart resets the same episode)."""
+        assert self.multi_turn is not None and self._runner is not None
+        todo = [(g, j, s) for g in groups for j, s in enumerate(g.samples) if s.episode is None]
+        if not todo:
+            return
+        env = self.multi_turn.env
+        results = self._runner.run([_call(env.reset, g.prompt, s.seed) for g, _, s in todo])
+        for (g, j, s), state in zip(todo, results, strict=True):
+            s.episode = _Episode(state=None)
+            s.done = Completion(f"g{g.index}-n{j}", list(g.prompt_ids), [], [], [], "abort")
+            if isinstance(state, Fault):
+                self._fault(g, s, state, "reset")
+            else:
+                s.episode.state = state
+
+    def _turn_params(self, sample: _Sample) -> SamplingParams:
+        """The sampling of the sample's current turn from where its tokens are: the rest of the
+        per-turn cap and of the response budget; the run's and the environment's stop ids."""
+        assert self.multi_turn is not None and sample.episode is not None
+        n = len(sample.done.token_ids) if sample.done is not None else 0
+        in_turn = n - sample.episode.turn_start
+        left = self.sampling.max_new_tokens - n
+        return replace(
+            self.sampling,
+            max_new_tokens=min(self.multi_turn.max_turn_tokens - in_turn, left),
+            stop_token_ids=self._turn_stops,
+            seed=_continuation_seed(sample.seed, sample.attempt, n),
+        )
+
+    def _turn_request(self, step: int, group: _Group, j: int, sample: _Sample) -> GenerateRequest:
+        """The request that samples (the rest of) the current turn: its prompt is the exact
+        context so far, the prompt and every model and observation token (never re-tokenized)."""
+        tokens = sample.done.token_ids if sample.done is not None else []
+        rid = f"g{group.index}-n{j}-a{sample.attempt}-s{step}-o{len(tokens)}"
+        params = self._turn_params(sample)
+        return GenerateRequest(group.prompt_ids + tokens, params, rid, str(group.index))
+
+    def _merge_turn(self, group: _Group, sample: _Sample, c: Completion) -> bool:
+        """Append a turn's (partial) completion to the episode's tokens; True when the turn
+        ended (a stop id, the per-turn cap or the response budget), so the environment answers."""
+        before = sample.done
+        assert before is not None
+        reason = settled_finish_reason(c.finish_reason, c.token_ids, self._turn_params(sample))
+        sample.done = replace(
+            before,
+            request_id=c.request_id,
+            token_ids=before.token_ids + c.token_ids,
+            logprobs=before.logprobs + c.logprobs,
+            versions=before.versions + c.versions,
+        )
+        self._tokens_generated += len(c.token_ids)
+        return reason in ("stop", "length")
+
+    def _answer_turns(self, ended: list[tuple[_Group, _Sample]]) -> None:
+        """``env.step(state, turn)`` for every turn that ended, concurrently; then apply the
+        answers in order (deterministic whatever the threads' timing)."""
+        if not ended:
+            return
+        assert self.multi_turn is not None and self._runner is not None
+        mt, turns = self.multi_turn, []
+        for _, s in ended:
+            ep, tokens = s.episode, s.done.token_ids
+            ids = list(tokens[ep.turn_start :])
+            last = ep.turns + 1 >= mt.max_turns or len(tokens) >= self.sampling.max_new_tokens
+            reason = "stop" if ids and ids[-1] in self._turn_stops else "length"
+            text = self.decode(ids) if self.decode is not None else ""
+            turns.append(Turn(ep.turns, ids, text, reason, last))
+        calls = [_call(mt.env.step, s.episode.state, t) for (_, s), t in zip(ended, turns)]
+        for (g, s), turn, result in zip(ended, turns, self._runner.run(calls), strict=True):
+            self._apply_step(g, s, turn, result)
+
+    def _apply_step(self, group: _Group, sample: _Sample, turn: Turn, result: Any) -> None:
+        """An observation appended (version -1, logprob 0), cut to the response budget; or the
+        end of the episode."""
+        assert self.multi_turn is not None and sample.episode is not None
+        mt, ep = self.multi_turn, sample.episode
+        what = f"step (turn {turn.index})"
+        if isinstance(result, Fault):
+            return self._fault(group, sample, result, what)
+        if not isinstance(result, StepResult):
+            kind = type(result).__name__
+            fault = Fault("error", f"returned a {kind}, expected a minippo.env.StepResult")
+            return self._fault(group, sample, fault, what)
+        if result.state is not None:
+            ep.state = result.state
+        ep.turns += 1
+        obs = result.observation
+        if obs is None or turn.last:
+            ep.truncated = obs is not None  # no turn may follow: the observation is dropped
+            return self._end(group, sample, result.reward)
+        if isinstance(obs, str):
+            try:
+                ids = mt.encode_observation(obs, turn.token_ids[-1] if turn.token_ids else None)
+            except Exception as e:
+                fault = Fault("error", f"observation {obs[:40]!r} cannot be encoded ({e})")
+                return self._fault(group, sample, fault, what)
+        else:
+            ids = list(obs)
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < mt.vocab_size]
+            if bad:
+                fault = Fault(
+                    "error",
+                    f"returned observation ids {bad[:5]} outside the vocabulary "
+                    f"[0, {mt.vocab_size})",
+                )
+                return self._fault(group, sample, fault, what)
+        room = self.sampling.max_new_tokens - len(sample.done.token_ids)
+        ended = len(ids) >= room  # no room for another model turn after it
+        if len(ids) > room:
+            ep.obs_cut, ids = True, ids[:room]
+        sample.done = replace(
+            sample.done,
+            token_ids=sample.done.token_ids + ids,
+            logprobs=sample.done.logprobs + [0.0] * len(ids),
+            versions=sample.done.versions + [-1] * len(ids),  # not sampled by the policy
+        )
+        ep.obs_tokens += len(ids)
+        ep.turn_start = len(sample.done.token_ids)
+        if ended:
+            ep.truncated = True
+            self._end(group, sample, result.reward)
+
+    def _fault(self, group: _Group, sample: _Sample, fault: Fault, what: str) -> None:
+        """An environment call that raised, hung or answered something unusable: one line
+        (on_error=raise), or the episode ends with reward 0, counted (on_error=zero_reward)."""
+        assert self.multi_turn is not None and sample.episode is not None
+        mt = self.multi_turn
+        if mt.on_error == "raise":
+            where = _describe_prompt(self._as_sample(group, sample))
+            fix = (
+                "raise multi_turn.step_timeout_s"
+                if fault.kind == "timeout"
+                else "fix the environment"
+            )
+            raise EnvError(
+                f"environment {mt.name} {what} {fault.message} for {where}; {fix}, or set "
+                "multi_turn.on_error=zero_reward to end such episodes with reward 0"
+            )
+        self._env_faults[fault.kind] += 1
+        sample.episode.fault = fault.kind
+        self._end(group, sample, 0.0)
+
+    def _end(self, group: _Group, sample: _Sample, reward: float | None) -> None:
+        """End the episode and score it: the environment's reward, else the reward function."""
+        assert self.multi_turn is not None and sample.episode is not None
+        ep = sample.episode
+        ep.ended, ep.reward = True, reward
+        sample.done = replace(sample.done, finish_reason="length" if ep.truncated else "stop")
+        if reward is not None:
+            name = f"environment {self.multi_turn.name}"
+            sample.reward = score_sample(lambda _: reward, name, self._as_sample(group, sample))
+        elif self.reward_fn is not None:
+            sample.reward = score_sample(
+                self.reward_fn, self.reward_name, self._as_sample(group, sample)
+            )
+        else:
+            raise ValueError(
+                f"environment {self.multi_turn.name} ended an episode without a reward and the "
+                "queue has no reward_fn; return StepResult(reward=...) or pass a reward_fn"
+            )
+
     def _as_sample(self, group: _Group, sample: _Sample) -> RolloutSample:
         assert sample.done is not None
         j = group.samples.index(sample)
@@ -864,6 +1161,7 @@ class RolloutQueue:
             reward=sample.reward,
             group=-1,  # its row's group is set when the batch is assembled
             sample_index=group.index * self.samples_per_prompt + j,
+            turns=sample.episode.turns if sample.episode is not None else 1,
         )
 
     def _assemble(
@@ -877,12 +1175,67 @@ class RolloutQueue:
                 samples.append(sample)
                 owners.append(gi)
         completions = [s.completion for s in samples]
-        rewards = [s.reward for s in samples] if self.reward_fn is not None else None
+        scored = self.reward_fn is not None or self.multi_turn is not None
+        rewards = [s.reward for s in samples] if scored else None
         batch = collate_completions(completions, owners, rewards, pad_id=self.pad_id)
         self._gen_time_s += gen_s
         metrics = batch_metrics(batch, gen_s, has_rewards=rewards is not None, generated=generated)
         metrics["rollout/start_version"] = float(start_version)
+        if self.multi_turn is not None:
+            metrics |= episode_metrics([s.episode for g in groups for s in g.samples])
         return QueueBatch(step=step, batch=batch, samples=samples, metrics=metrics)
+
+
+def run_episodes(
+    engine: RolloutEngine,
+    items: list[tuple[int, Any]],
+    *,
+    samples_per_prompt: int,
+    sampling: SamplingParams,
+    multi_turn: MultiTurn,
+    seed: int = 0,
+    reward_fn: Callable[[RolloutSample], float] | None = None,
+    reward_name: str | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+) -> list[RolloutSample]:
+    """Run ``samples_per_prompt`` episodes of each ``(position, prompt item)`` to their end with
+    the engine's current weights, exactly as the queue runs them (evaluation); the samples in
+    item order, sample ``j`` of position ``i`` seeded ``sample_seed(seed, i * n + j)``."""
+    n = samples_per_prompt
+    queue = RolloutQueue(
+        engine, [], groups_per_batch=max(len(items), 1), samples_per_prompt=n,
+        sampling=sampling, mode="alternate", sleep=False, reward_fn=reward_fn,
+        reward_name=reward_name, decode=decode, seed=seed, multi_turn=multi_turn,
+    )  # fmt: skip
+    groups = [
+        _Group(i, item, prompt_ids_of(item), [
+            _Sample(sample_seed(seed, i * n + j), multi_turn=True) for j in range(n)
+        ])
+        for i, item in items
+    ]  # fmt: skip
+    try:
+        queue._episode_rounds(0, groups, lambda reqs: list(engine.stream(reqs)), until=None)
+    finally:
+        queue.close()
+    return [queue._as_sample(g, s) for g in groups for s in g.samples]
+
+
+def episode_metrics(episodes: list[Any]) -> dict[str, float]:
+    """``rollout/`` statistics of a batch's multi-turn episodes: model turns and observation
+    tokens per sample, environment faults, truncations."""
+    n = max(len(episodes), 1)
+    return {
+        "rollout/turns_mean": sum(e.turns for e in episodes) / n,
+        "rollout/obs_tokens_mean": sum(e.obs_tokens for e in episodes) / n,
+        "rollout/env_timeouts": float(sum(e.fault == "timeout" for e in episodes)),
+        "rollout/env_errors": float(sum(e.fault == "error" for e in episodes)),
+        "rollout/obs_truncated": float(sum(e.obs_cut for e in episodes)),
+        "rollout/episodes_truncated": float(sum(e.truncated for e in episodes)),
+    }
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    return lambda: fn(*args)
 
 
 def score_sample(
@@ -971,6 +1324,7 @@ def _describe_prompt(sample: RolloutSample) -> str:
     """``prompt 12 ('3012=')``: the prompt's dataset index (if it has one) and text, shortened."""
     item = sample.prompt
     index = getattr(item, "index", None)
+    index = index if isinstance(index, int) else None  # (a list's .index is a method)
     text = getattr(item, "prompt", None)
     text = text if isinstance(text, str) else None
     head = f"prompt {index}" if index is not None else f"sample {sample.sample_index}"

@@ -271,6 +271,22 @@ RESUME_CASES = {
     ],
     # the carried groups (partial tokens included) are saved and continue after the resume
     "alternate": ["rollout.mode=alternate", "rollout.oversample=1.5"],
+    # multi-turn episodes carried mid-episode (a tool was called in round 0 of the step, the
+    # answer turn is left): the environment's state is saved with their tokens
+    "multi_turn_alternate": [
+        "rollout.mode=alternate",
+        "rollout.oversample=2.0",
+        "rollout.max_new_tokens=9",
+        "dataset._component_=minippo.data.tasks.arithmetic_task",
+        "~dataset.op",
+        "~dataset.length",
+        "~dataset.alphabet",
+        "+dataset.min_operand=10",
+        "+dataset.max_operand=49",
+        "+env._component_=minippo.data.tasks.Calculator",
+        "+multi_turn.max_turns=2",
+        "+multi_turn.max_turn_tokens=3",
+    ],
     # packed forwards in micro-batches of a token budget, scoring passes too
     "token_budget": [
         "ppo.micro_batch_size=null",

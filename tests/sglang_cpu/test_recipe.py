@@ -73,6 +73,24 @@ def test_tiny_sglang_cpu_alternate_learns(tmp_path):
     assert final_reward(rows) >= LEARNED, [round(r["rollout/reward_mean"], 3) for r in rows]
 
 
+# tiny_multiturn_cpu's retry-with-feedback task on tiny_sglang_cpu's engine and settings
+MULTI_TURN = [
+    "dataset.op=reverse", "dataset.length=3", "rollout.max_new_tokens=11",
+    "+env._component_=minippo.data.tasks.RetryWithFeedback", "+multi_turn.max_turns=2",
+    "+multi_turn.max_turn_tokens=3",
+]  # fmt: skip
+
+
+def test_multi_turn_episodes_learn_on_the_real_engine(tmp_path):
+    """Multi-turn episodes through the real engine: every turn a request of the exact context so
+    far with the turn's stop ids, the environment's hint as observation tokens in between; from
+    chance (~0.02) to LEARNED over the last 5 of 60 steps (docs/multi_turn.md "Results")."""
+    rows = learning_run(tmp_path / "run", overrides=MULTI_TURN)
+    assert all(1.0 <= r["rollout/turns_mean"] <= 2.0 for r in rows)
+    assert max(r["rollout/obs_tokens_mean"] for r in rows) > 0
+    assert final_reward(rows) >= LEARNED, [round(r["rollout/reward_mean"], 3) for r in rows]
+
+
 def test_keep_old_actor_anchors_samples_that_span_versions(tmp_path):
     """The alternate schedule on the real engine carries unfinished samples into the next step;
     keep_old_actor scores each of their tokens with the snapshot of the version that sampled it

@@ -86,16 +86,17 @@ def test_partial_rollouts_span_versions_with_exact_keep_old_actor_anchors(tmp_pa
 
 
 # tiny_cpu in alternate mode with oversample 1.5: seeds whose final reward (the mean of the last 5
-# steps) stays below 0.9 in 60-seed sweeps (benchmarks/learning_sweep.py, 2-core AMD EPYC, torch
-# 2.13.0; docs/learning.md): ALT_BAD of 60 before the lr warm-up and Monte-Carlo critic targets,
-# ALT_GOOD of 60 with them.
-ALTERNATE_SEEDS = SeedCount(seeds=range(40), at_least=38, bar=0.9, bad=(8, 60), good=(0, 60))
+# steps) stays below 0.9 in a 96-seed sweep (benchmarks/learning_sweep.py, 2-core AMD EPYC, torch
+# 2.13.0; docs/learning.md): 4 of 96 (seeds 47, 56, 85, 86; 3 of
+# them below 0.8). Its rate before the fix was not measured, so the
+# count catches a run that has stopped learning (tests/recipes/seeds.py).
+ALTERNATE_SEEDS = SeedCount(seeds=range(10), at_least=8, bar=0.9, bad=(9, 10), good=(4, 96))
 
 
-@pytest.mark.slow  # 40 runs of ~20 s, two at a time; learning is covered by default in test_recipe_properties.py
+@pytest.mark.slow  # 10 runs of ~20 s, two at a time; learning is covered by default in test_recipe_properties.py
 def test_tiny_cpu_alternate_with_oversample_learns(tmp_path):
     """Alternate mode with oversampling learns to >= 0.9 on (nearly) every seed: a count over
-    40 seeds, chosen from the measured rates (tests/recipes/seeds.py)."""
+    10 seeds, chosen from the measured rate (tests/recipes/seeds.py)."""
     runs = tiny_cpu_seeds(tmp_path, ALTERNATE_SEEDS.seeds, *ALTERNATE, *SHIPPED)
     for rows in runs.values():
         assert all(r["rollout/groups_in_flight"] == 48 for r in rows)  # ceil(32 x 1.5)

@@ -149,7 +149,15 @@ def test_cli_run_pinned_metrics(tmp_path):
     out = tmp_path / "run"
     small = [x for x in SMALL if x != "checkpoint.export_hf=false"]
     proc = cli(
-        "run", "async_ppo", "--config", "tiny_cpu", "total_steps=3", f"output_dir={out}", *small
+        "run",
+        "async_ppo",
+        "--config",
+        "tiny_cpu",
+        "total_steps=3",
+        f"output_dir={out}",
+        *small,
+        "lr_scheduler.warmup_steps=0",
+        "gae.value_lam=null",  # the settings they were pinned with
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"metrics: {out / 'metrics.jsonl'}" in proc.stdout
@@ -433,14 +441,15 @@ def last_5(runs: dict[int, list[dict]]) -> dict[int, float]:
 
 # tiny_cpu as shipped: seeds whose final reward (the mean of the last 5 steps) stays below 0.9 in
 # 60-seed sweeps (benchmarks/learning_sweep.py, 2-core AMD EPYC, torch 2.13.0; docs/learning.md):
-# 8 of 60 before the lr warm-up, BAD_GOOD of 60 with it. At least 38 of 40 seeds must reach 0.9.
-TINY_CPU_SEEDS = SeedCount(seeds=range(40), at_least=38, bar=0.9, bad=(8, 60), good=(0, 60))
+# 8 of 60 before the lr warm-up and the critic's Monte-Carlo targets, 1 of 60 with them. So at
+# least 55 of 59 seeds must reach 0.9 (tests/unit/test_seed_counts.py checks the choice).
+TINY_CPU_SEEDS = SeedCount(seeds=range(59), at_least=55, bar=0.9, bad=(8, 60), good=(1, 60))
 
 
-@pytest.mark.slow  # 40 runs of ~15 s, two at a time: ~5 min on 2 cores
+@pytest.mark.slow  # 59 runs of ~15 s, two at a time: ~8 min on 2 cores
 def test_tiny_cpu_default_learns(tmp_path):
     """The main job as shipped learns from chance to >= 0.9 on (nearly) every seed: a count
-    over 40 seeds, chosen from the measured stall rates (tests/recipes/seeds.py)."""
+    over 59 seeds, chosen from the measured stall rates (tests/recipes/seeds.py)."""
     runs = tiny_cpu_seeds(tmp_path, TINY_CPU_SEEDS.seeds, *SHIPPED)
     assert all(rows[0]["rollout/reward_mean"] < 0.1 for rows in runs.values())
     check_seed_count(last_5(runs), TINY_CPU_SEEDS, "tiny_cpu, mean reward of the last 5 steps")
@@ -476,12 +485,21 @@ def test_output_dir_belongs_to_one_run(tmp_path):
         first.wait(timeout=30)
 
 
-@pytest.mark.slow  # 3 x 60 steps, ~25 s each; the anchors and the resume inside a cycle run by default
+# tiny_cpu with rollout.sync_every=3: seeds whose final reward stays below 0.9 in a 20-seed sweep
+# (benchmarks/learning_sweep.py, 2-core AMD EPYC, torch 2.13.0): 0 of 20 (lowest 0.930). Its
+# rate before the fix was not measured, so the count catches a run that has stopped learning
+# (tests/recipes/seeds.py).
+SYNC_EVERY_3_SEEDS = SeedCount(seeds=range(10), at_least=8, bar=0.9, bad=(9, 10), good=(0, 20))
+
+
+@pytest.mark.slow  # 10 x 60 steps, two at a time; the anchors and the resume inside a cycle run by default
 def test_tiny_cpu_sync_every_3_learns(tmp_path):
-    """Weights reach the engine every 3 steps (versions count publishes): the run still learns,
-    seeds 0-2 against the measured seeds' spread."""
-    runs = tiny_cpu_seeds(tmp_path, "rollout.sync_every=3", *QUIET)
+    """Weights reach the engine every 3 steps (versions count publishes): the run still learns
+    to >= 0.9 on (nearly) every seed, a count over seeds (tests/recipes/seeds.py)."""
+    runs = tiny_cpu_seeds(tmp_path, SYNC_EVERY_3_SEEDS.seeds, "rollout.sync_every=3", *SHIPPED)
     for rows in runs.values():
         assert [r["correction/anchor_version"] for r in rows[:7]] == [0, 0, 0, 1, 1, 1, 2]
         assert max(r["rollout/staleness_max"] for r in rows) <= 1  # in versions
-    check_learns(last_5(runs), SYNC_EVERY_3_LAST_5, "mean reward, last 5 steps", TINY_CPU_SPREAD)
+    check_seed_count(
+        last_5(runs), SYNC_EVERY_3_SEEDS, "sync_every=3, mean reward of the last 5 steps"
+    )

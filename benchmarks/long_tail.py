@@ -64,7 +64,7 @@ except ImportError:  # imported from the repository root (tests)
 
 TAIL_RATIO = 9.0  # p99 / p50 of the length distribution (the spec: 8-10)
 Z99 = NormalDist().inv_cdf(0.99)
-_REQUEST_ID = re.compile(r"g(\d+)-n(\d+)-a(\d+)-s(\d+)")
+_REQUEST_ID = re.compile(r"g(\d+)-n(\d+)-a(\d+)-s(\d+)-o(\d+)")
 
 
 class LengthTable:
@@ -121,7 +121,7 @@ class LengthTableEngine:
         if m is None:
             raise ValueError(
                 f"request id {r.request_id!r} is not the RolloutQueue's "
-                "g<index>-n<j>-a<restarts>-s<step>"
+                "g<index>-n<j>-a<restarts>-s<step>-o<offset>"
             )
         group, j, attempt = int(m[1]), int(m[2]), int(m[3])
         if group not in self._prompt_len:

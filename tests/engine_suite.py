@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -467,6 +467,19 @@ class EngineProtocolSuite:
             assert [c.token_ids for c in again] == [c.token_ids for c in outs]
         engine.sleep()  # nothing of the call is left in flight
         engine.wake()
+
+    def test_stream_until_groups_counts_only_groups_that_can_complete(self, engine, harness):
+        """Group a finishes first, but one of its requests says ``completes_group=False`` (a turn
+        its caller continues): the call stops only once group b is complete."""
+        reqs = self._grouped(harness, tail_tokens=harness.long_tokens)
+        reqs[1] = replace(reqs[1], completes_group=False)
+        outs = list(engine.stream(reqs, until_groups=1))
+        assert [c.request_id for c in outs] == ["a0", "a1", "b2", "b3", "c4"]
+        assert [c.finish_reason for c in outs] == ["length"] * 4 + ["abort"]
+        for c, r in zip(outs, reqs):
+            check_completion(c, r, harness.vocab_size)
+        if harness.exact_stops:  # stopped after the step that completed group b, not group a
+            assert len(outs[-1].token_ids) == 5
 
     def test_stream_until_more_groups_than_exist_runs_to_the_end(self, engine, harness):
         outs = list(engine.stream(self._grouped(harness, tail_tokens=6), until_groups=5))

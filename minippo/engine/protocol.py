@@ -54,7 +54,10 @@ yields each completion the moment it finishes (finishing order; requests that fi
 step come in request order). With ``until_groups=k``, once ``k`` groups of the call have every
 request finished, the engine stops the call's other requests and yields them last, in request
 order, as partial completions (``finish_reason == "abort"``; their tokens, logprobs and versions
-so far are kept, and a request that never started has none). TorchEngine stops after the very
+so far are kept, and a request that never started has none). Only a group whose every request
+has ``completes_group`` (the default) counts towards ``k``: a request with False is one that its
+caller continues after it finishes (a model turn that an environment answers before the next),
+so its group is not complete when it finishes and never counts. TorchEngine stops after the very
 decode step that completed the ``k``-th group, so a seeded run is reproducible; SGLang stops them
 as soon as its loop sees that completion (a few more tokens may come, each with its exact
 version). A partial completion is continued later as a new request whose prompt is the old prompt
@@ -146,12 +149,16 @@ class GenerateRequest:
         request_id: unique among the requests in flight; the completion carries it back.
         group:      requests of one ``stream`` call with the same group complete together (see
                     "Streaming groups"); None: the request is a group of its own.
+        completes_group: whether this request finishing can complete its group in an
+                    ``until_groups`` count: False when the caller continues the sample after it
+                    (a turn that is not the episode's last), so its group never counts.
     """
 
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
     group: str | None = None
+    completes_group: bool = True
 
 
 @dataclass
@@ -354,7 +361,8 @@ class GroupCounter:
     """When a ``stream(requests, until_groups=k)`` call must stop (both backends use it).
 
     ``finish(i)`` records that request ``i`` of the call finished and returns True once ``k``
-    groups have every request finished (``k`` None: never; the call runs to the end)."""
+    groups have every request finished (``k`` None: never; the call runs to the end). A group
+    with a request whose ``completes_group`` is False is never counted."""
 
     def __init__(self, requests: Sequence[GenerateRequest], until_groups: int | None) -> None:
         if until_groups is not None and (
@@ -368,11 +376,14 @@ class GroupCounter:
         self._left: dict[object, int] = {}
         for key in self._group_of:
             self._left[key] = self._left.get(key, 0) + 1
-        self.complete = 0
+        self._uncounted = {
+            key for key, r in zip(self._group_of, requests, strict=True) if not r.completes_group
+        }
+        self.complete = 0  # groups counted complete
 
     def finish(self, index: int) -> bool:
         key = self._group_of[index]
         self._left[key] -= 1
-        if self._left[key] == 0:
+        if self._left[key] == 0 and key not in self._uncounted:
             self.complete += 1
         return self.until_groups is not None and self.complete >= self.until_groups

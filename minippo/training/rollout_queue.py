@@ -15,10 +15,12 @@ Version convention (the one every part of minippo uses):
     * ``max_staleness = 0`` is the synchronous loop: batch ``s`` is generated entirely by the
       weights of version ``s``, after they are published.
 
-Both schedules take prompts in order as groups (one prompt, ``samples_per_prompt`` samples, each
-seeded ``seed * 1_000_003 + global sample index``), build the requests of the unfinished samples,
-merge each completion into its sample (scoring it once finished) and collate the groups of a
-batch in submission order. They differ in when generation runs:
+Every sample is an episode of model turns; a single-turn sample is the one-turn case (no
+environment, max_turns 1: its one turn is the whole response, and the reward function scores its
+end). Both schedules take prompts in order as groups (one prompt, ``samples_per_prompt`` samples,
+each seeded ``seed * 1_000_003 + global sample index``), build the request of each unfinished
+episode's current turn, merge each completion into its sample, score the episodes once they
+ended and collate the groups of a batch in submission order. They differ in when generation runs:
 
 ``overlap``: a producer thread generates ahead while the trainer trains. Capacity control
 (AReaL-style, nothing is generated and then thrown away): batch ``s`` is assigned its prompts
@@ -32,21 +34,25 @@ several versions (each token its own); without, ``publish`` first waits until th
 
 ``alternate`` (a GPU shared by engine and trainer): nothing generates while the trainer trains.
 ``publish`` wakes the engine and pushes the weights; ``get_batch`` streams the requests of up to
-``ceil(G × oversample)`` groups until G are complete, stops the others where they are, sleeps the
-engine and returns the first G to complete. The stopped groups are carried into the next step
-with their tokens and continue under the next weights, as requests whose prompt is the old one
-plus the tokens so far (partial rollouts, slime/miles style). A carried sample whose oldest token
-would break the bound restarts from its prompt (``rollout/restarted``); with
-``partial_rollout=False`` every unfinished carried sample does. With TorchEngine, whose stops are
-exact and whose requests are seeded, a run is reproducible and resumes exactly.
+``ceil(G × oversample)`` groups until G are complete, stops the others where they are (mid-turn),
+sleeps the engine and returns the first G to complete. The stopped groups are carried into the
+next step with their tokens (and environment state) and continue under the next weights, as
+requests whose prompt is the old one plus the tokens so far (partial rollouts, slime/miles
+style). A carried sample whose oldest token would break the bound restarts from its prompt
+(``rollout/restarted``); with ``partial_rollout=False`` every unfinished carried sample does.
+With TorchEngine, whose stops are exact and whose requests are seeded, a run is reproducible and
+resumes exactly.
 
 Multi-turn episodes (``multi_turn``, docs/multi_turn.md): a sample is an episode of an
 environment. Each model turn is a request whose prompt is the exact context so far; the
 environment's answers (run concurrently, under a timeout) append observation tokens, marked
 version -1 with logprob 0 (response_mask 0 in the batch), until it ends the episode with its
-reward. Both schedules run them with the same groups, seeds, staleness rule, carrying, restarts
-and state (a carried episode's environment state is saved with it); overlap runs a batch's
-episodes to their end, alternate runs rounds of one turn per unfinished episode.
+reward. Both schedules run every episode in rounds of one turn per unfinished episode, then the
+environment's answers; overlap runs a batch's rounds until its episodes ended, alternate until G
+groups are complete. A round's stream stops early only once enough groups complete whose every
+unfinished episode is on a turn that is certainly its last (max_turns reached, or one token of
+the budget left: every single-turn request), so the other episodes are cut mid-turn and carried
+with their environment state (saved with the queue's state).
 
 Usage (the recipe's whole interface)::
 
@@ -64,6 +70,7 @@ Usage (the recipe's whole interface)::
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import threading
 import time
@@ -229,20 +236,18 @@ def collate_completions(
 
 @dataclass
 class _Sample:
-    """One sample of a group: nothing yet, a partial completion, or a finished one."""
+    """One sample of a group: an episode (one turn without an environment) and its tokens."""
 
     seed: int
-    done: Completion | None = None  # the tokens so far (finish_reason "abort" while partial)
+    done: Completion | None = None  # the tokens so far: None before the first, then
+    # finish_reason "abort" until the episode ends
     reward: float | None = None
     attempt: int = 0  # restarts from the prompt
-    multi_turn: bool = False  # an episode of an environment (finished when the episode ends)
-    episode: _Episode | None = None
+    episode: _Episode | None = None  # None until it starts (env.reset) or restarts
 
     @property
     def finished(self) -> bool:
-        if self.multi_turn:
-            return self.episode is not None and self.episode.ended
-        return self.done is not None and self.done.finish_reason in ("stop", "length")
+        return self.episode is not None and self.episode.ended
 
     @property
     def oldest_version(self) -> int | None:
@@ -255,7 +260,7 @@ class _Sample:
 
 @dataclass
 class _Episode:
-    """A multi-turn sample's episode: the environment's state and where its turns are.
+    """A sample's episode: the environment's state (None without one) and where its turns are.
 
     ``turn_start`` indexes the sample's response tokens where the current model turn begins;
     the tokens before it are earlier turns and observations (version -1)."""
@@ -317,7 +322,8 @@ class RolloutQueue:
         pad_id:             padding token id of the batch tensors.
         seed:               base of the per-request seeds.
         initial_version:    the version of the engine's weights at ``start`` (default: engine.version).
-        multi_turn:         None: single-turn samples. Else every sample is an episode of
+        multi_turn:         None: single-turn samples (episodes of one turn, the whole
+                            response, scored by ``reward_fn``). Else every sample is an episode of
                             ``multi_turn.env`` (:class:`minippo.env.MultiTurn`): turns, each ended
                             by a stop id or the per-turn cap, answered by the environment with
                             observation tokens (version -1, response_mask 0) until it ends the
@@ -326,7 +332,7 @@ class RolloutQueue:
                             (a publish with partial rollouts re-weights them mid-turn); alternate
                             runs rounds of one turn per unfinished episode until
                             ``groups_per_batch`` groups are complete and carries the others, with
-                            their environment state, into the next step.
+                            their environment state and partial turns, into the next step.
     """
 
     def __init__(
@@ -423,6 +429,10 @@ class RolloutQueue:
         self.multi_turn = multi_turn
         self._runner: EnvRunner | None = None
         self._env_faults = {"timeout": 0, "error": 0}  # cumulative, zero_reward outcomes
+        # turns: without an environment one, the whole response, ending at the run's stop ids
+        self._max_turns = 1
+        self._turn_tokens = self.sampling.max_new_tokens
+        self._turn_stops = self.sampling.stop_token_ids
         if multi_turn is not None:
             if multi_turn.on_error not in ON_ERROR:
                 raise ValueError(
@@ -437,6 +447,8 @@ class RolloutQueue:
             self._runner = EnvRunner(
                 multi_turn.name, workers=multi_turn.workers, timeout_s=multi_turn.step_timeout_s
             )
+            self._max_turns = multi_turn.max_turns
+            self._turn_tokens = multi_turn.max_turn_tokens
             stops = self.sampling.stop_token_ids  # a turn ends at the run's and the env's ids
             self._turn_stops = stops + tuple(t for t in multi_turn.stop_token_ids if t not in stops)
 
@@ -697,7 +709,7 @@ class RolloutQueue:
             )
         self._next_step = int(state["next_step"])
         self.seed = int(state["seed"])
-        self._groups = list(state.get("carried", []))
+        self._groups = [_one_turn_episodes(g) for g in state.get("carried", [])]
         self._tokens_generated = int(state.get("tokens_total", 0))
         self._gen_time_s = float(state.get("gen_time_s", 0.0))
         self._restarted_total = int(state.get("restarted_total", 0))
@@ -769,13 +781,8 @@ class RolloutQueue:
                     self._unqueued_version = start_version
                 t_gen = time.perf_counter()
                 tokens_before = self._tokens_generated
-                try:
-                    if self.multi_turn is None:
-                        requests, owners = self._requests(slot, groups)
-                        completions = self.engine.generate(requests)
-                    else:  # every turn of the batch's episodes, to their end
-                        completions = None
-                        self._episode_rounds(slot, groups, self.engine.generate, until=None)
+                try:  # every turn of the batch's episodes, to their end
+                    self._episode_rounds(slot, groups, self._generate, until=None)
                 finally:
                     with self._cond:
                         self._generating = False
@@ -783,14 +790,6 @@ class RolloutQueue:
                 gen_s = time.perf_counter() - t_gen
                 if self._stop:
                     return
-                if completions is not None:
-                    aborted = [c.request_id for c in completions if c.finish_reason == "abort"]
-                    if aborted:
-                        raise RuntimeError(
-                            f"request {aborted[0]} was aborted (by engine.abort() outside the "
-                            "queue); the queue cannot build a batch from partial completions"
-                        )
-                    self._merge_all(slot, owners, completions)
                 generated = self._tokens_generated - tokens_before
                 batch = self._assemble(slot, groups, gen_s, generated, start_version)
                 with self._cond:
@@ -821,13 +820,8 @@ class RolloutQueue:
             raise PromptsExhausted(
                 f"the prompt source ran out before the batch of step {self._next_step} was filled"
             )
-        need = self.groups_per_batch - sum(g.complete for g in self._groups)
-        if need > 0 and self.multi_turn is None:
-            requests, owners = self._requests(step, self._groups)
-            self._merge_all(step, owners, self.engine.stream(requests, until_groups=need))
-        elif need > 0:  # rounds of one turn per unfinished episode, until G groups are complete
-            stream = lambda reqs: list(self.engine.stream(reqs))  # noqa: E731
-            self._episode_rounds(step, self._groups, stream, until=self.groups_per_batch)
+        # rounds of one turn per unfinished episode, until G groups are complete
+        self._episode_rounds(step, self._groups, self._stream, until=self.groups_per_batch)
         gen_s = time.perf_counter() - t0
         t_sleep = time.perf_counter()
         if self.sleep:
@@ -882,156 +876,149 @@ class RolloutQueue:
                 break
             index = self._groups_taken
             self._groups_taken += 1
-            seeds = [sample_seed(self.seed, index * n + j) for j in range(n)]
-            multi = self.multi_turn is not None
-            samples = [_Sample(s, multi_turn=multi) for s in seeds]
+            samples = [_Sample(sample_seed(self.seed, index * n + j)) for j in range(n)]
             groups.append(_Group(index, item, prompt_ids_of(item), samples))
         return groups
 
-    def _requests(
-        self, step: int, groups: list[_Group]
-    ) -> tuple[list[GenerateRequest], dict[str, tuple[_Group, _Sample]]]:
-        """One request per unfinished sample of ``groups``: from the prompt, or continuing its
-        tokens (a partial rollout); and the (group, sample) of each request id."""
-        requests, owners = [], {}
-        for g in groups:
-            for j, s in enumerate(g.samples):
-                if s.finished:
-                    continue
-                if s.multi_turn:
-                    req = self._turn_request(step, g, j, s)
-                    requests.append(req)
-                    owners[req.request_id] = (g, s)
-                    continue
-                tokens = s.done.token_ids if s.done is not None else []
-                params = replace(
-                    self.sampling,
-                    max_new_tokens=self.sampling.max_new_tokens - len(tokens),
-                    seed=_continuation_seed(s.seed, s.attempt, len(tokens)),
-                )
-                rid = f"g{g.index}-n{j}-a{s.attempt}-s{step}"  # group, sample, restarts, step
-                requests.append(GenerateRequest(g.prompt_ids + tokens, params, rid, str(g.index)))
-                owners[rid] = (g, s)
-        return requests, owners
+    def _generate(
+        self, requests: list[GenerateRequest], until_groups: int | None
+    ) -> list[Completion]:
+        """Overlap: a round runs every request to its end (``until_groups`` is None)."""
+        return self.engine.generate(requests)
 
-    def _merge_all(
-        self,
-        step: int,
-        owners: dict[str, tuple[_Group, _Sample]],
-        completions: Iterable[Completion],
-    ) -> None:
-        """Merge each completion into its sample as it comes; number the groups of ``step`` in
-        the order they complete."""
-        order = 0
-        for c in completions:
-            group, sample = owners[c.request_id]
-            self._merge(group, sample, c)
-            if group.complete and group.completed_at is None:
-                group.completed_at = (step, order)
-                order += 1
+    def _stream(
+        self, requests: list[GenerateRequest], until_groups: int | None
+    ) -> Iterator[Completion]:
+        """Alternate (and evaluation): completions as they finish, stopped at ``until_groups``."""
+        return self.engine.stream(requests, until_groups=until_groups)
 
-    def _merge(self, group: _Group, sample: _Sample, c: Completion) -> None:
-        """Append a completion's tokens to the sample's; score it once it is finished."""
-        before = sample.done
-        if c.finish_reason == "abort" and not c.token_ids:
-            return  # stopped before its first token: nothing changes
-        if sample.multi_turn:
-            self._merge_turn(group, sample, c)
-            return
-        tokens = (before.token_ids if before else []) + c.token_ids
-        sample.done = Completion(
-            request_id=c.request_id,
-            prompt_ids=list(group.prompt_ids),
-            token_ids=tokens,
-            logprobs=(before.logprobs if before else []) + c.logprobs,
-            versions=(before.versions if before else []) + c.versions,
-            # an abort in the step that finished the sample (its last token a stop id, or no
-            # budget left) is a finished sample: never continued past its end
-            finish_reason=settled_finish_reason(c.finish_reason, tokens, self.sampling),
-        )
-        self._tokens_generated += len(c.token_ids)
-        if sample.finished and self.reward_fn is not None:
-            sample.reward = score_sample(
-                self.reward_fn, self.reward_name, self._as_sample(group, sample)
-            )
-
-    # ------------------------------------------------------------------ multi-turn episodes
+    # ------------------------------------------------------------------ episodes
     def _episode_rounds(
         self,
         step: int,
         groups: list[_Group],
-        run: Callable[[list[GenerateRequest]], list[Completion]],
+        run: Callable[[list[GenerateRequest], int | None], Iterable[Completion]],
         *,
         until: int | None,
     ) -> None:
-        """Rounds of one model turn per unfinished episode of ``groups`` (``run`` generates the
-        round's requests to their end), each followed by the environment's answers to the turns
-        that ended, until every episode ended or (``until``) that many groups are complete.
-        Groups are numbered in the order they complete (round, then submission order)."""
-        order = 0
-        while until is None or sum(g.complete for g in groups) < until:
+        """Rounds of one model turn per unfinished episode of ``groups``, until every episode
+        ended or (``until``) that many groups are complete.
+
+        ``run(requests, k)`` generates a round; ``k`` (with ``until``) is the number of groups
+        still missing, and the engine may stop the round once ``k`` of the groups whose every
+        request is a certainly-last turn (``completes_group``) are complete: the other requests
+        keep their partial turn, continued by the next round or step. A turn that ended ends a
+        one-turn episode at once; an environment answers the round's ended turns after it.
+        Groups are numbered in the order they complete."""
+        order = itertools.count()
+
+        def number(g: _Group) -> None:
+            if g.complete and g.completed_at is None:
+                g.completed_at = (step, next(order))
+
+        while True:
+            missing = None if until is None else until - sum(g.complete for g in groups)
+            if missing is not None and missing <= 0:
+                return
             self._start_episodes(groups)
             requests, owners = self._requests(step, groups)
             if not requests or self._stop:
                 return
             ended_turns = []
-            for c in run(requests):
+            for c in run(requests, missing):
                 group, sample = owners[c.request_id]
-                if self._merge_turn(group, sample, c):
+                reason = self._merge_turn(group, sample, c)
+                if reason is None:
+                    continue
+                if self.multi_turn is not None:
                     ended_turns.append((group, sample))
+                else:  # no environment: the turn was the episode
+                    sample.episode.turns += 1
+                    sample.episode.truncated = reason == "length"
+                    self._end(group, sample, None)
+                    number(group)
             if self._stop:
                 return
             self._answer_turns(ended_turns)
             for g in groups:
-                if g.complete and g.completed_at is None:
-                    g.completed_at = (step, order)
-                    order += 1
+                number(g)
 
     def _start_episodes(self, groups: list[_Group]) -> None:
-        """``env.reset(prompt, seed)`` for each sample of ``groups`` without an episode yet,
-        concurrently (the sample's seed: a restart resets the same episode)."""
-        assert self.multi_turn is not None and self._runner is not None
-        todo = [(g, j, s) for g in groups for j, s in enumerate(g.samples) if s.episode is None]
+        """Start the episode of each sample of ``groups`` without one: ``env.reset(prompt,
+        seed)``, concurrently (the sample's seed: a restart resets the same episode)."""
+        todo = [(g, s) for g in groups for s in g.samples if s.episode is None]
         if not todo:
             return
-        env = self.multi_turn.env
-        results = self._runner.run([_call(env.reset, g.prompt, s.seed) for g, _, s in todo])
-        for (g, j, s), state in zip(todo, results, strict=True):
+        states: list[Any] = [None] * len(todo)  # no environment: no state
+        if self.multi_turn is not None:
+            assert self._runner is not None
+            env = self.multi_turn.env
+            states = self._runner.run([_call(env.reset, g.prompt, s.seed) for g, s in todo])
+        for (g, s), state in zip(todo, states, strict=True):
             s.episode = _Episode(state=None)
-            s.done = Completion(f"g{g.index}-n{j}", list(g.prompt_ids), [], [], [], "abort")
             if isinstance(state, Fault):
                 self._fault(g, s, state, "reset")
             else:
                 s.episode.state = state
 
+    def _requests(
+        self, step: int, groups: list[_Group]
+    ) -> tuple[list[GenerateRequest], dict[str, tuple[_Group, _Sample]]]:
+        """The request of each unfinished episode's current turn in ``groups`` (from where its
+        tokens are); and the (group, sample) of each request id."""
+        requests, owners = [], {}
+        for g in groups:
+            for j, s in enumerate(g.samples):
+                if not s.finished:
+                    req = self._turn_request(step, g, j, s)
+                    requests.append(req)
+                    owners[req.request_id] = (g, s)
+        return requests, owners
+
     def _turn_params(self, sample: _Sample) -> SamplingParams:
         """The sampling of the sample's current turn from where its tokens are: the rest of the
         per-turn cap and of the response budget; the run's and the environment's stop ids."""
-        assert self.multi_turn is not None and sample.episode is not None
+        assert sample.episode is not None
         n = len(sample.done.token_ids) if sample.done is not None else 0
         in_turn = n - sample.episode.turn_start
         left = self.sampling.max_new_tokens - n
         return replace(
             self.sampling,
-            max_new_tokens=min(self.multi_turn.max_turn_tokens - in_turn, left),
+            max_new_tokens=min(self._turn_tokens - in_turn, left),
             stop_token_ids=self._turn_stops,
             seed=_continuation_seed(sample.seed, sample.attempt, n),
         )
 
+    def _last_turn(self, sample: _Sample) -> bool:
+        """Whether the sample's current turn is certainly its episode's last, so that the
+        episode ends when the turn does: it is turn ``max_turns`` (every turn without an
+        environment), or one token of the response budget is left."""
+        assert sample.episode is not None
+        n = len(sample.done.token_ids) if sample.done is not None else 0
+        return sample.episode.turns + 1 >= self._max_turns or self.sampling.max_new_tokens - n <= 1
+
     def _turn_request(self, step: int, group: _Group, j: int, sample: _Sample) -> GenerateRequest:
         """The request that samples (the rest of) the current turn: its prompt is the exact
-        context so far, the prompt and every model and observation token (never re-tokenized)."""
+        context so far, the prompt and every model and observation token (never re-tokenized).
+        Only a certainly-last turn may complete its group in an ``until_groups`` count."""
         tokens = sample.done.token_ids if sample.done is not None else []
         rid = f"g{group.index}-n{j}-a{sample.attempt}-s{step}-o{len(tokens)}"
-        params = self._turn_params(sample)
-        return GenerateRequest(group.prompt_ids + tokens, params, rid, str(group.index))
+        return GenerateRequest(
+            group.prompt_ids + tokens,
+            self._turn_params(sample),
+            rid,
+            str(group.index),
+            completes_group=self._last_turn(sample),
+        )
 
-    def _merge_turn(self, group: _Group, sample: _Sample, c: Completion) -> bool:
-        """Append a turn's (partial) completion to the episode's tokens; True when the turn
-        ended (a stop id, the per-turn cap or the response budget), so the environment answers."""
-        before = sample.done
-        assert before is not None
+    def _merge_turn(self, group: _Group, sample: _Sample, c: Completion) -> str | None:
+        """Append a turn's (partial) completion to the episode's tokens. Returns how the turn
+        ended ("stop": a stop id, "length": the per-turn cap or the response budget), or None
+        when it was stopped mid-turn (continued later)."""
         reason = settled_finish_reason(c.finish_reason, c.token_ids, self._turn_params(sample))
+        if reason == "abort" and not c.token_ids:
+            return None  # stopped before its first token: nothing changes
+        before = self._completion(group, sample)
         sample.done = replace(
             before,
             request_id=c.request_id,
@@ -1040,7 +1027,7 @@ class RolloutQueue:
             versions=before.versions + c.versions,
         )
         self._tokens_generated += len(c.token_ids)
-        return reason in ("stop", "length")
+        return reason if reason in ("stop", "length") else None
 
     def _answer_turns(self, ended: list[tuple[_Group, _Sample]]) -> None:
         """``env.step(state, turn)`` for every turn that ended, concurrently; then apply the
@@ -1052,7 +1039,7 @@ class RolloutQueue:
         for _, s in ended:
             ep, tokens = s.episode, s.done.token_ids
             ids = list(tokens[ep.turn_start :])
-            last = ep.turns + 1 >= mt.max_turns or len(tokens) >= self.sampling.max_new_tokens
+            last = ep.turns + 1 >= self._max_turns or len(tokens) >= self.sampling.max_new_tokens
             reason = "stop" if ids and ids[-1] in self._turn_stops else "length"
             text = self.decode(ids) if self.decode is not None else ""
             turns.append(Turn(ep.turns, ids, text, reason, last))
@@ -1132,32 +1119,51 @@ class RolloutQueue:
         self._end(group, sample, 0.0)
 
     def _end(self, group: _Group, sample: _Sample, reward: float | None) -> None:
-        """End the episode and score it: the environment's reward, else the reward function."""
-        assert self.multi_turn is not None and sample.episode is not None
+        """End the episode, with the environment's reward (None: the reward function's);
+        ``_score`` scores it where its batch is assembled."""
+        assert sample.episode is not None
         ep = sample.episode
         ep.ended, ep.reward = True, reward
-        sample.done = replace(sample.done, finish_reason="length" if ep.truncated else "stop")
-        if reward is not None:
-            name = f"environment {self.multi_turn.name}"
-            sample.reward = score_sample(lambda _: reward, name, self._as_sample(group, sample))
-        elif self.reward_fn is not None:
-            sample.reward = score_sample(
-                self.reward_fn, self.reward_name, self._as_sample(group, sample)
-            )
-        else:
-            raise ValueError(
-                f"environment {self.multi_turn.name} ended an episode without a reward and the "
-                "queue has no reward_fn; return StepResult(reward=...) or pass a reward_fn"
-            )
+        finish = "length" if ep.truncated else "stop"
+        sample.done = replace(self._completion(group, sample), finish_reason=finish)
+
+    def _score(self, groups: list[_Group]) -> None:
+        """Score the ended episodes of ``groups`` not scored yet, in order: the environment's
+        reward, else the reward function (without either, a single-turn sample's reward is left
+        to the trainer). Outside the rounds: in overlap a publish never waits for a reward."""
+        for g in groups:
+            for s in g.samples:
+                if not s.finished or s.reward is not None:
+                    continue
+                reward = s.episode.reward
+                if reward is not None:
+                    assert self.multi_turn is not None
+                    name = f"environment {self.multi_turn.name}"
+                    s.reward = score_sample(lambda _, r=reward: r, name, self._as_sample(g, s))
+                elif self.reward_fn is not None:
+                    s.reward = score_sample(self.reward_fn, self.reward_name, self._as_sample(g, s))
+                elif self.multi_turn is not None:
+                    raise ValueError(
+                        f"environment {self.multi_turn.name} ended an episode without a reward "
+                        "and the queue has no reward_fn; return StepResult(reward=...) or pass a "
+                        "reward_fn"
+                    )
+
+    def _completion(self, group: _Group, sample: _Sample) -> Completion:
+        """The sample's tokens so far: an empty completion before the first."""
+        if sample.done is not None:
+            return sample.done
+        j = group.samples.index(sample)
+        return Completion(f"g{group.index}-n{j}", list(group.prompt_ids), [], [], [], "abort")
 
     def _as_sample(self, group: _Group, sample: _Sample) -> RolloutSample:
-        assert sample.done is not None
         j = group.samples.index(sample)
+        completion = self._completion(group, sample)
         return RolloutSample(
             prompt=group.prompt,
             prompt_ids=list(group.prompt_ids),
-            completion=sample.done,
-            text=self.decode(sample.done.token_ids) if self.decode is not None else None,
+            completion=completion,
+            text=self.decode(completion.token_ids) if self.decode is not None else None,
             reward=sample.reward,
             group=-1,  # its row's group is set when the batch is assembled
             sample_index=group.index * self.samples_per_prompt + j,
@@ -1167,6 +1173,7 @@ class RolloutQueue:
     def _assemble(
         self, step: int, groups: list[_Group], gen_s: float, generated: int, start_version: int
     ) -> QueueBatch:
+        self._score(groups)
         samples, owners = [], []
         for gi, g in enumerate(groups):
             for s in g.samples:
@@ -1208,13 +1215,14 @@ def run_episodes(
         reward_name=reward_name, decode=decode, seed=seed, multi_turn=multi_turn,
     )  # fmt: skip
     groups = [
-        _Group(i, item, prompt_ids_of(item), [
-            _Sample(sample_seed(seed, i * n + j), multi_turn=True) for j in range(n)
-        ])
+        _Group(
+            i, item, prompt_ids_of(item), [_Sample(sample_seed(seed, i * n + j)) for j in range(n)]
+        )
         for i, item in items
-    ]  # fmt: skip
+    ]
     try:
-        queue._episode_rounds(0, groups, lambda reqs: list(engine.stream(reqs)), until=None)
+        queue._episode_rounds(0, groups, queue._stream, until=None)
+        queue._score(groups)
     finally:
         queue.close()
     return [queue._as_sample(g, s) for g in groups for s in g.samples]
@@ -1232,6 +1240,19 @@ def episode_metrics(episodes: list[Any]) -> dict[str, float]:
         "rollout/obs_truncated": float(sum(e.obs_cut for e in episodes)),
         "rollout/episodes_truncated": float(sum(e.truncated for e in episodes)),
     }
+
+
+def _one_turn_episodes(group: _Group) -> _Group:
+    """A carried group as this queue holds it. A state saved before single-turn samples were
+    one-turn episodes holds samples with tokens and no episode: each gets its one-turn episode
+    (ended when the sample had finished), so that it continues, or is trained, as it was."""
+    for s in group.samples:
+        vars(s).pop("multi_turn", None)  # a field of that format
+        if s.episode is None and s.done is not None:
+            reason = s.done.finish_reason
+            ended = reason in ("stop", "length")
+            s.episode = _Episode(None, turns=int(ended), ended=ended, truncated=reason == "length")
+    return group
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:

@@ -153,6 +153,52 @@ def test_alternate_carries_episodes_with_their_state_and_versions():
     assert seen[2] == (3, [0, 0, -1, -1, 1, 1, -1, -1, 2, 2], 3.0)
 
 
+class Recording(ScriptedEngine):
+    """A ScriptedEngine that records each stream call's ``until_groups``."""
+
+    def __init__(self, turn_len: int = 3) -> None:
+        super().__init__(turn_len)
+        self.until: list[int | None] = []
+
+    def stream(self, requests, *, until_groups=None):
+        self.until.append(until_groups)
+        yield from self.generate(requests)
+
+
+@pytest.mark.parametrize("max_new, max_turns", [(32, 3), (9, 4)])
+def test_only_a_certainly_last_turn_may_complete_its_group(max_new, max_turns):
+    """Turns of 2 tokens, observations of 2: a turn at offset 4k is turn k. It may complete its
+    group (``completes_group``) only when it is certainly the episode's last: turn max_turns (the
+    third of 3), or the turn that has one token of the budget left (offset 8 of 9). Alternate
+    streams each round with until_groups = the groups still missing."""
+    eng = Recording(turn_len=2)
+    mt = multi(ThreeTurns(), max_turns=max_turns)
+    with make_queue(eng, None, max_new=max_new, mode="alternate", multi_turn=mt) as queue:
+        queue.publish([], version=0)
+        queue.start()
+        queue.get_batch(0)
+    offsets = [int(r.request_id.rsplit("-o", 1)[1]) for r in eng.requests]
+    assert sorted(set(offsets)) == [0, 4, 8]
+    assert all(r.completes_group == (o == 8) for r, o in zip(eng.requests, offsets))
+    assert eng.until == [2, 2, 2]  # no group is complete before the last round
+
+
+def test_single_turn_requests_may_all_complete_their_group():
+    eng = Recording(turn_len=3)
+    sampling = SamplingParams(max_new_tokens=8, stop_token_ids=(STOP,))
+    queue = RolloutQueue(
+        eng, iter([[1, 2, 3]] * 10), groups_per_batch=2, samples_per_prompt=2, sampling=sampling,
+        mode="alternate", oversample=1.5, reward_fn=lambda s: 1.0,
+    )  # fmt: skip
+    with queue:
+        queue.publish([], version=0)
+        queue.start()
+        b = queue.get_batch(0)
+    assert len(eng.requests) == 6 and all(r.completes_group for r in eng.requests)
+    assert eng.until == [2]  # one stream, stopped once 2 groups are complete
+    assert [s.turns for s in b.samples] == [1] * 4 and b.batch.rewards.tolist() == [1.0] * 4
+
+
 class SlowOdd(ThreeTurns):
     """Episodes of odd prompts take three turns, even ones one; the reward counts the turns the
     state saw (a state lost on resume would give a different reward)."""
@@ -362,6 +408,84 @@ def test_torch_engine_episodes_keep_exact_per_token_versions_across_turns_and_pu
     finally:
         torch.set_num_threads(before)
     print(f"rows spanning two versions: {spans}")
+
+
+class Recorded(ThreeTurns):
+    """ThreeTurns that keeps each episode's state by its seed (a restart replaces it)."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, dict] = {}
+
+    def reset(self, prompt, seed):
+        self.states[seed] = state = {"turns": []}
+        return state
+
+
+def model_turns(versions: list[int]) -> list[list[int]]:
+    """The positions of each model turn of a response (runs of sampled tokens)."""
+    turns: list[list[int]] = []
+    for i, v in enumerate(versions):
+        if v < 0:
+            continue
+        if i == 0 or versions[i - 1] < 0:
+            turns.append([])
+        turns[-1].append(i)
+    return turns
+
+
+def test_alternate_cuts_episodes_mid_turn_and_continues_them_under_the_next_weights():
+    """Alternate with over-provisioned groups: once enough groups whose episodes are all on
+    their last turn are complete, the engine stops the round and the other episodes are cut
+    mid-turn, wherever they are. Carried into the next step they continue that turn under the
+    new weights: some turn's tokens carry two versions, each token's logprob is the
+    teacher-forced logprob of its own version's weights, and the environment saw each turn once
+    and whole (its state was kept)."""
+    from minippo.engine import TorchEngine
+    from minippo.models import Transformer, hf_name, init_weights, qwen3_tiny, token_logprobs
+    from minippo.training.rollout_queue import sample_seed
+
+    args = qwen3_tiny()
+    nets = [init_weights(Transformer(args), seed=10 + s, std=0.1).eval() for s in range(5)]
+    stops = tuple(range(0, args.vocab_size, 5))  # turns of geometric length, capped at 6
+    sampling = SamplingParams(max_new_tokens=24, stop_token_ids=stops)
+    env = Recorded()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    eng = TorchEngine(args, in_process=True)
+    cut_turns = 0
+    try:
+        q = RolloutQueue(
+            eng, iter([[1 + i % 7, 2, 3] for i in range(100)]), groups_per_batch=2,
+            samples_per_prompt=2, sampling=sampling, max_staleness=2, mode="alternate",
+            oversample=2.0, partial_rollout=True, seed=3,
+            multi_turn=multi(env, max_turns=3, max_turn_tokens=6),
+        )  # fmt: skip
+        q.start()
+        for step in range(5):
+            named = [(hf_name(n), p.detach()) for n, p in nets[step].named_parameters()]
+            q.publish([named], version=step)
+            qb = q.get_batch(step)
+            b = qb.batch
+            for version in b.versions[b.versions >= 0].unique().tolist():
+                with torch.no_grad():
+                    lp = token_logprobs(
+                        nets[version], b.input_ids, attention_mask=b.attention_mask,
+                        position_ids=b.position_ids, start=b.prompt_len,
+                    )  # fmt: skip
+                sel = b.versions == version
+                assert (lp[sel] - b.rollout_logprobs[sel]).abs().max() <= 1e-4
+            for sample in qb.samples:
+                c = sample.completion
+                turns = model_turns(c.versions)
+                seen = env.states[sample_seed(3, sample.sample_index)]["turns"]
+                assert seen == [[c.token_ids[i] for i in t] for t in turns]
+                cut_turns += sum(len({c.versions[i] for i in t}) > 1 for t in turns)
+        q.close()
+    finally:
+        eng.shutdown()
+        torch.set_num_threads(before)
+    print(f"turns cut and continued under the next weights: {cut_turns}")
+    assert cut_turns > 0, "no turn was cut and continued under the next weights"
 
 
 class QwenLikeTokenizer:

@@ -297,3 +297,44 @@ def test_a_sample_labelled_abort_in_its_finishing_step_is_not_continued():
     assert sum(b.metrics["rollout/carried_over"] for b in batches) > 0  # the case occurred
     continued = [r for reqs in wrapped.streams[1:] for r in reqs if len(r.prompt_ids) > 3]
     assert not continued, "a finished sample was continued"
+
+
+def test_a_state_of_the_earlier_sample_format_resumes_as_the_current_one(engine):
+    """A checkpoint written before single-turn samples were one-turn episodes holds carried
+    samples with their tokens, finish reason and reward but no episode (and a ``multi_turn``
+    field): they load as one-turn episodes, and the run goes on exactly as from a state of the
+    current format (finished samples are trained as they are, partial ones continued)."""
+
+    def reward(sample):
+        return float(len(sample.completion.token_ids))
+
+    queue = make_queue(engine, oversample=2.0, reward_fn=reward)
+    queue.start()
+    run(queue, 2)
+    state = pickle.loads(pickle.dumps(queue.state_dict()))
+    earlier = copy.deepcopy(state)
+    finished = partial = 0
+    for s in (s for g in earlier["carried"] for s in g.samples):
+        if s.finished:  # that format scored a sample as soon as it finished
+            s.reward = float(len(s.done.token_ids))
+            finished += 1
+        partial += s.done is not None and not s.finished
+        s.episode = None
+        vars(s)["multi_turn"] = False
+    assert finished and partial  # both kinds are carried
+    batches = {}
+    for name, saved in (("current", state), ("earlier", earlier)):
+        eng = TorchEngine(ARGS, in_process=True)
+        try:
+            resumed = make_queue(eng, oversample=2.0, reward_fn=reward)
+            resumed.load_state_dict(pickle.loads(pickle.dumps(saved)))
+            resumed.start()
+            batches[name] = run(resumed, 3, start=2)
+        finally:
+            eng.shutdown()
+    for a, b in zip(batches["current"], batches["earlier"], strict=True):
+        assert torch.equal(a.batch.input_ids, b.batch.input_ids)
+        assert torch.equal(a.batch.versions, b.batch.versions)
+        assert torch.equal(a.batch.rollout_logprobs, b.batch.rollout_logprobs)
+        assert torch.equal(a.batch.rewards, b.batch.rewards)
+        assert [s.turns for s in a.samples] == [s.turns for s in b.samples] == [1] * 8

@@ -164,12 +164,17 @@ def finished_cells(out: Path) -> list[Cell]:
     )
 
 
-def overrides(cell: Cell, seed: int, steps: int, extra: list[str]) -> list[str]:
+# Settings a config has changed since the study's figures were measured, pinned to those figures'
+MEASURED_WITH = {"tiny_math_cpu": ["kl.coef=0.05"]}
+
+
+def overrides(cell: Cell, seed: int, steps: int, extra: list[str], config: str) -> list[str]:
     return [
         f"seed={seed}",
         f"total_steps={steps}",
         f"rollout.max_staleness={cell.staleness}",
         "lr_scheduler.warmup_steps=0",  # the schedule the study's figures were measured with
+        *MEASURED_WITH.get(config, []),
         *METHODS[cell.method],
         *DISCREPANCY[cell.discrepancy],
         *REGIMES[cell.regime],
@@ -555,7 +560,9 @@ def main() -> None:
             ok = data["returncode"] == 0 and len(data["metrics"]) == args.steps
             if ok or args.report:
                 return cell, RecipeRun(**{**data, "out_dir": Path(data["out_dir"])})
-        run = run_recipe(overrides(cell, seed, args.steps, extra), d, config=args.config)
+        run = run_recipe(
+            overrides(cell, seed, args.steps, extra, args.config), d, config=args.config
+        )
         cached.write_text(json.dumps({**run.__dict__, "out_dir": str(run.out_dir)}))
         status = "ok" if run.returncode == 0 else f"FAILED rc={run.returncode}"
         print(

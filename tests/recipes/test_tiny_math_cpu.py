@@ -68,17 +68,17 @@ def test_validates_and_runs_three_steps(tmp_path):
     assert (out / "hf_export" / "config.json").is_file()
 
 
-# tiny_math_cpu as shipped: seeds whose validation pass@1 at step 400 stays below 0.8 in a 10-seed
-# sweep (benchmarks/learning_sweep.py --config tiny_math_cpu --score eval/pass@1, 2-core AMD EPYC,
-# torch 2.13.0; docs/learning.md): 4 of 10. The job has no fix yet, so the count catches a job
-# that has stopped learning (tests/recipes/seeds.py): at least 3 of 10.
-MATH_SEEDS = SeedCount(seeds=range(10), at_least=3, bar=0.8, bad=(9, 10), good=(4, 10))
+# tiny_math_cpu: seeds whose validation pass@1 at step 400 stays below 0.8 (benchmarks/
+# learning_sweep.py --config tiny_math_cpu --score eval/pass@1, 2-core AMD EPYC, torch 2.13.0;
+# docs/learning.md): 4 of 10 with the KL coefficient 0.05, 0 of 15 (seeds 0-14) with 0.1 as shipped.
+# At least 10 of 12 seeds: a return to 4 misses in 10 passes 8% of the time, luck fails it 3%.
+MATH_SEEDS = SeedCount(seeds=range(12), at_least=10, bar=0.8, bad=(4, 10), good=(0, 15))
 
 
-@pytest.mark.slow  # 10 runs of 400 steps, two at a time: ~15 min on 2 cores
+@pytest.mark.slow  # 12 runs of 400 steps, two at a time: ~16 min on 2 cores
 def test_tiny_math_cpu_learns(tmp_path):
-    """The config as shipped, from ~0 to a validation pass@1 >= 0.8: a count over 10 seeds
-    chosen from the measured rate (tests/recipes/seeds.py)."""
+    """The config as shipped, from ~0 to a validation pass@1 >= 0.8: a count over 12 seeds
+    chosen from the measured rates (tests/recipes/seeds.py)."""
 
     def one(seed: int) -> float:
         out = tmp_path / f"seed{seed}"

@@ -21,7 +21,6 @@ the tests declare, so a new measurement that no longer supports a choice fails t
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -76,43 +75,3 @@ def check_seed_count(scores: Mapping[int, float], spec: SeedCount, what: str) ->
         f"{what}: {reached} of {len(scores)} seeds reach {spec.bar}, at least {spec.at_least} "
         f"must ({text})"
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# Jobs without a many-seed sweep yet (the multi-turn configs): three seeds against the spread of
-# a few measured runs. Weaker than a count (a 7% stall rate passes it): replace it by a SeedCount
-# once the job has a sweep.
-
-SEEDS = (0, 1, 2)
-
-
-def thresholds(
-    measured: Sequence[float], n: int = len(SEEDS), spread: float | None = None
-) -> tuple[float, float]:
-    """(the bound for the mean of ``n`` seeds, the bound for each seed): ``m - 2 s / sqrt(n)``
-    and ``m - 3 s``, with ``m``, ``s`` the mean and standard deviation of ``measured`` (or
-    ``spread``): a mean 2 standard errors low, or one run 3 standard deviations low, is broken
-    rather than unlucky."""
-    m = statistics.fmean(measured)
-    s = statistics.stdev(measured) if spread is None else spread
-    return m - 2 * s / math.sqrt(n), m - 3 * s
-
-
-def pooled_stdev(*groups: Sequence[float]) -> float:
-    """The standard deviation of seed outcomes pooled over variants of one job (the mean of the
-    groups' variances, groups of equal size)."""
-    return math.sqrt(statistics.fmean(statistics.variance(g) for g in groups))
-
-
-def check_learns(
-    scores: Mapping[int, float],
-    measured: Sequence[float],
-    what: str,
-    spread: float | None = None,
-) -> None:
-    """Assert that ``scores`` (seed -> final score) pass both bounds of :func:`thresholds`."""
-    mean_bound, each_bound = thresholds(measured, len(scores), spread)
-    mean = statistics.fmean(scores.values())
-    text = ", ".join(f"seed {k}: {v:.3f}" for k, v in scores.items())
-    assert mean >= mean_bound, f"{what}: mean {mean:.3f} < {mean_bound:.3f} ({text})"
-    assert min(scores.values()) >= each_bound, f"{what}: a seed < {each_bound:.3f} ({text})"

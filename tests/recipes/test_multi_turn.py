@@ -14,7 +14,7 @@ import pytest
 from minippo.config import ConfigError, load_config
 from minippo.training import preflight
 from minippo.training.metrics import read_jsonl
-from tests.recipes.seeds import SEEDS, check_learns, pooled_stdev
+from tests.recipes.seeds import SeedCount, check_seed_count, run_seeds
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,7 +119,8 @@ def test_validate_accepts_the_shipped_multi_turn_configs():
 
 
 def learned(config: str, estimator: str, seed: int, out: Path) -> float:
-    """The config as shipped (one estimator, one seed): its mean reward over the last 10 steps."""
+    """The config as shipped (one estimator, one seed): its mean reward over the last 5 steps
+    (the figure benchmarks/learning_sweep.py reports)."""
     proc = cli(
         "run", "async_ppo", "--config", config, f"advantage_estimator={estimator}",
         f"seed={seed}", f"output_dir={out}", "progress_bar=false", "checkpoint.export_hf=false",
@@ -128,40 +129,37 @@ def learned(config: str, estimator: str, seed: int, out: Path) -> float:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "rollout/reward_mean" in r]
     assert rows[0]["rollout/reward_mean"] < 0.1  # from chance
-    return sum(r["rollout/reward_mean"] for r in rows[-10:]) / 10
+    return sum(r["rollout/reward_mean"] for r in rows[-5:]) / 5
 
 
-# Measured, the configs as shipped, seeds 0-2, mean reward over the last 10 of 200 steps, on a
-# 2-core AMD EPYC shared with other jobs (docs/multi_turn.md "Results"); bounds: tests/recipes/seeds.py
-RETRY_MEASURED = {
-    "gae": [0.916, 0.925, 0.929],
-    "grpo": [0.921, 0.925, 0.684],  # seed 2 climbs slowly: 0.70 at step 200
-}
+# Measured with benchmarks/learning_sweep.py over seeds 0-5 and both estimators, the configs as
+# shipped (2-core AMD EPYC, torch 2.13.0; docs/multi_turn.md "Results"): runs below 0.8 over the
+# last 5 of 200 steps: retry 1 of 12 (GAE seed 2: 0.795), tool 0 of 12. Six seeds, at least 4:
+# luck fails it <= 5% of the time, a job that has stopped learning (9 in 10 missing) never passes.
+RETRY_SEEDS = SeedCount(seeds=range(6), at_least=4, bar=0.8, bad=(9, 10), good=(1, 12))
+TOOL_SEEDS = SeedCount(seeds=range(6), at_least=4, bar=0.8, bad=(9, 10), good=(0, 12))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 6 runs of 200 steps, two at a time, per estimator
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])
 def test_tiny_multiturn_cpu_learns(tmp_path, estimator):
-    scores = {s: learned("tiny_multiturn_cpu", estimator, s, tmp_path / f"s{s}") for s in SEEDS}
-    spread = pooled_stdev(*RETRY_MEASURED.values())
-    check_learns(scores, RETRY_MEASURED[estimator], f"tiny_multiturn_cpu {estimator}", spread)
+    scores = run_seeds(
+        lambda s: learned("tiny_multiturn_cpu", estimator, s, tmp_path / f"s{s}"),
+        RETRY_SEEDS.seeds,
+    )
+    check_seed_count(scores, RETRY_SEEDS, f"tiny_multiturn_cpu {estimator}")
 
 
-# Measured as RETRY_MEASURED, tiny_multiturn_tool_cpu: every run calls the tool in > 90% of its
-# episodes from step ~20, then answers with its result (docs/multi_turn.md "Results").
-TOOL_MEASURED = {"grpo": [0.779, 0.810, 0.819], "gae": [0.794, 0.888, 0.957]}
-
-
-@pytest.mark.slow
+@pytest.mark.slow  # 6 runs of 200 steps, two at a time, per estimator
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])
 def test_tiny_multiturn_tool_cpu_learns_to_call_the_tool_and_read_it(tmp_path, estimator):
-    scores = {
-        s: learned("tiny_multiturn_tool_cpu", estimator, s, tmp_path / f"s{s}") for s in SEEDS
-    }
-    for s in SEEDS:
+    scores = run_seeds(
+        lambda s: learned("tiny_multiturn_tool_cpu", estimator, s, tmp_path / f"s{s}"),
+        TOOL_SEEDS.seeds,
+    )
+    for s in TOOL_SEEDS.seeds:  # every run calls the tool, then answers with its result
         rows = [
             r for r in read_jsonl(tmp_path / f"s{s}" / "metrics.jsonl") if "rollout/turns_mean" in r
         ]
         assert rows[0]["rollout/turns_mean"] < 1.2 and rows[-1]["rollout/turns_mean"] > 1.9
-    spread = pooled_stdev(*TOOL_MEASURED.values())
-    check_learns(scores, TOOL_MEASURED[estimator], f"tiny_multiturn_tool_cpu {estimator}", spread)
+    check_seed_count(scores, TOOL_SEEDS, f"tiny_multiturn_tool_cpu {estimator}")

@@ -57,9 +57,12 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def run_recipes(
-    runs: list[list[str]], timeout: float = 300, nan_loss_at_steps: tuple[int, ...] = ()
+    runs: list[list[str]],
+    timeout: float = 300,
+    nan_loss_at_steps: tuple[int, ...] = (),
+    config: str = "tiny_cpu",
 ) -> list[str | None]:
-    """Run ``recipe_main(load_config("tiny_cpu", overrides))`` for each override list, in order,
+    """Run ``recipe_main(load_config(config, overrides))`` for each override list, in order,
     in one subprocess; returns None per successful run, else the error's text.
 
     ``nan_loss_at_steps``: the actor's loss share and gradients are made NaN at these training
@@ -71,7 +74,7 @@ def run_recipes(
         from minippo.config import load_config
         if __name__ == "__main__":
             main = runpy.run_path(sys.argv[1])["recipe_main"]
-            nan_steps = json.loads(sys.argv[3])
+            nan_steps, config = json.loads(sys.argv[3]), sys.argv[4]
             if nan_steps:
                 recipe_cls = main.__globals__["AsyncPPORecipe"]
                 real_updates, real_backward = recipe_cls._ppo_updates, recipe_cls._actor_backward
@@ -94,7 +97,7 @@ def run_recipes(
             results = []
             for overrides in json.loads(sys.argv[2]):
                 try:
-                    main(load_config("tiny_cpu", overrides))
+                    main(load_config(config, overrides))
                     results.append(None)
                 except Exception as e:
                     results.append(f"{type(e).__name__}: {e}\\n" + traceback.format_exc())
@@ -109,6 +112,7 @@ def run_recipes(
             str(REPO / "recipes" / "async_ppo.py"),
             json.dumps(runs),
             json.dumps(list(nan_loss_at_steps)),
+            config,
         ],
         capture_output=True,
         text=True,

@@ -4,6 +4,7 @@ refused by ``validate`` before any model exists, and (slow) the shipped configs 
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from minippo.config import ConfigError, load_config
 from minippo.training import preflight
 from minippo.training.metrics import read_jsonl
 from tests.recipes.seeds import SeedCount, check_seed_count, run_seeds
+from tests.recipes.test_async_ppo import FAST, run_recipes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -163,3 +165,51 @@ def test_tiny_multiturn_tool_cpu_learns_to_call_the_tool_and_read_it(tmp_path, e
         ]
         assert rows[0]["rollout/turns_mean"] < 1.2 and rows[-1]["rollout/turns_mean"] > 1.9
     check_seed_count(scores, TOOL_SEEDS, f"tiny_multiturn_tool_cpu {estimator}")
+
+
+C = "correction._component_=minippo.rl.correction."
+CORRECTIONS = {
+    "ewma": [],  # the config's
+    "tis": [C + "TIS", "~correction.reset_below"],
+    "keep_old_actor": [C + "KeepOldActor", "~correction.reset_below"],
+    "loglinear_prox": [C + "LogLinearProx", "~correction.reset_below"],
+    "rollout_logprobs": [C + "RolloutLogprobs", "~correction.cap", "~correction.reset_below"],
+}
+SCHEDULES = {  # both cut episodes between publishes: partial rollouts on
+    "overlap": ["rollout.partial_rollout=true"],
+    "alternate": [
+        "rollout.mode=alternate",
+        "rollout.oversample=1.5",
+        "rollout.partial_rollout=true",
+    ],
+}
+
+
+@pytest.mark.slow  # 10 runs of 3 steps in one process, ~1 min
+def test_every_correction_runs_multi_turn_episodes_in_both_schedules(tmp_path):
+    """Multi-turn episodes train with every correction in both schedules (TorchEngine): each
+    run's steps are finite, hold two-turn episodes, and keep_old_actor scores every token with
+    the snapshot of its own version (no mismatch), across turns and cut episodes."""
+    names = [(c, m) for c in CORRECTIONS for m in SCHEDULES]
+    runs = [
+        [
+            *FAST,
+            "total_steps=3",
+            f"output_dir={tmp_path / f'{c}-{m}'}",
+            *CORRECTIONS[c],
+            *SCHEDULES[m],
+        ]
+        for c, m in names
+    ]
+    results = run_recipes(runs, config="tiny_multiturn_cpu")
+    for name, err in zip(names, results, strict=True):
+        assert err is None, f"{name}: {err}"
+    for c, m in names:
+        rows = read_jsonl(tmp_path / f"{c}-{m}" / "metrics.jsonl")
+        assert len(rows) == 3, (c, m)
+        for r in rows:
+            assert r["rollout/turns_mean"] > 1.0 and math.isfinite(r["train/loss"]), (c, m, r)
+        if c == "keep_old_actor":
+            assert all(r["correction/version_mismatches"] == 0.0 for r in rows), (c, m)
+        if m == "alternate":
+            assert "rollout/carried_over" in rows[0], (c, m)

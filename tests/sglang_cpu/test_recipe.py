@@ -128,3 +128,22 @@ def test_keep_old_actor_anchors_samples_that_span_versions(tmp_path):
         assert r["correction/version_mismatches"] == 0.0
         assert r["rollout/staleness_max"] <= 1
         assert 1 <= r["correction/snapshot_versions"] <= 2
+
+
+def test_multi_turn_episodes_in_the_alternate_schedule_keep_their_versions(tmp_path):
+    """Multi-turn episodes on the real engine in the alternate schedule: unfinished episodes are
+    carried into the next step with their environment state, and keep_old_actor scores every
+    model token with the snapshot of the version that sampled it, across turns (0 mismatches)."""
+    out = tmp_path / "run"
+    proc = cli(
+        "run", "async_ppo", "--config", "tiny_sglang_cpu", *QUIET, *MULTI_TURN, *ALTERNATE,
+        "correction._component_=minippo.rl.correction.KeepOldActor", "~correction.reset_below",
+        "total_steps=6", f"output_dir={out}", timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert len(rows) == 6
+    assert all(r["rollout/carried_over"] > 0 for r in rows)
+    assert all(1.0 < r["rollout/turns_mean"] <= 2.0 for r in rows)
+    assert all(r["correction/version_mismatches"] == 0.0 for r in rows)
+    assert max(r["rollout/staleness_mean"] for r in rows) > 0  # carried tokens of an older version

@@ -85,6 +85,16 @@ def saved_bytes(model: torch.nn.Module, fn: Callable[[], Any]) -> tuple[int, Any
 # tests/recipes/test_recipe_properties.py)
 
 REPO = Path(__file__).resolve().parents[1]
+_C = "correction._component_=minippo.rl.correction."
+# overrides that switch a config shipped with EWMA (tiny_cpu and the other CPU configs) to each
+# correction, keyed by class name: the options of EWMA that the others do not take are removed
+SWITCH_CORRECTION: dict[str, list[str]] = {
+    "EWMA": [],
+    "TIS": [_C + "TIS", "~correction.reset_below"],
+    "KeepOldActor": [_C + "KeepOldActor", "~correction.reset_below"],
+    "LogLinearProx": [_C + "LogLinearProx", "~correction.reset_below"],
+    "RolloutLogprobs": [_C + "RolloutLogprobs", "~correction.cap", "~correction.reset_below"],
+}
 # tiny_cpu, shrunk for one-step comparisons: 2 prompts x 4 samples, one minibatch per epoch
 # (so that 1 and 2 ranks take the same optimizer step on the same rows), micro-batches and scoring
 # chunks of 4 rows (the per-row forward has the same shape on 1 and on 2 ranks), SGD (an update

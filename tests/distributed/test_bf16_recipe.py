@@ -44,6 +44,7 @@ import torch
 from minippo.config import load_config
 from tests.helpers import (
     FIXED_BATCH_OVERRIDES,
+    SWITCH_CORRECTION,
     fixed_rollout_batch,
     recipe_on_fixed_batches,
     run_on_ranks,
@@ -52,20 +53,10 @@ from tests.helpers import (
 
 U_BF16 = torch.finfo(torch.bfloat16).eps / 2  # unit roundoff of bf16, 2⁻⁸
 ROUNDINGS_PER_BLOCK = 16  # as tests/unit/test_packing.py counts them
-C = "correction._component_=minippo.rl.correction."
 CORRECTIONS = {
-    "EWMA": [],
+    **SWITCH_CORRECTION,
     # with a reference model and the KL in the loss (the reference starts as the actor)
-    "TIS": [
-        C + "TIS",
-        "~correction.reset_below",
-        "kl.coef=0.05",
-        "kl.mode=loss",
-        "kl.estimator=k3",
-    ],
-    "KeepOldActor": [C + "KeepOldActor", "~correction.reset_below"],
-    "LogLinearProx": [C + "LogLinearProx", "~correction.reset_below"],
-    "RolloutLogprobs": [C + "RolloutLogprobs", "~correction.cap", "~correction.reset_below"],
+    "TIS": [*SWITCH_CORRECTION["TIS"], "kl.coef=0.05", "kl.mode=loss", "kl.estimator=k3"],
 }
 # the corrections whose anchor at step 0 is the actor that sampled: the first update is on-policy
 ON_POLICY_AT_START = ("EWMA", "TIS", "KeepOldActor")

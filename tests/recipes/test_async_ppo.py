@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from minippo.training.metrics import read_jsonl
+from tests.helpers import SWITCH_CORRECTION
 from tests.recipes.seeds import SeedCount, check_seed_count, run_seeds
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,7 +162,8 @@ def test_cli_run_pinned_metrics(tmp_path):
         f"output_dir={out}",
         *small,
         "lr_scheduler.warmup_steps=0",
-        "gae.value_lam=null",  # the settings they were pinned with
+        "gae.value_lam=null",
+        "ppo.dual_clip=null",  # the settings they were pinned with
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"metrics: {out / 'metrics.jsonl'}" in proc.stdout
@@ -185,17 +187,13 @@ def test_cli_run_pinned_metrics(tmp_path):
 
 
 def test_every_correction_and_grpo_and_kl_run(tmp_path):
-    C = "correction._component_=minippo.rl.correction."
+    S = SWITCH_CORRECTION
     runs = {
-        "rollout_logprobs": [C + "RolloutLogprobs", "~correction.cap", "~correction.reset_below"],
-        "tis": [C + "TIS", "~correction.reset_below"],
-        "keep_old_actor": [C + "KeepOldActor", "~correction.reset_below"],
-        "keep_old_actor_partial": [
-            C + "KeepOldActor",
-            "~correction.reset_below",
-            "rollout.partial_rollout=true",
-        ],
-        "loglinear_prox": [C + "LogLinearProx", "~correction.reset_below"],
+        "rollout_logprobs": S["RolloutLogprobs"],
+        "tis": S["TIS"],
+        "keep_old_actor": S["KeepOldActor"],
+        "keep_old_actor_partial": [*S["KeepOldActor"], "rollout.partial_rollout=true"],
+        "loglinear_prox": S["LogLinearProx"],
         "none_sync": ["correction=null", "rollout.max_staleness=0"],
         "grpo_kl_loss": [
             "advantage_estimator=grpo",

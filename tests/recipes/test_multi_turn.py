@@ -15,6 +15,7 @@ import pytest
 from minippo.config import ConfigError, load_config
 from minippo.training import preflight
 from minippo.training.metrics import read_jsonl
+from tests.helpers import SWITCH_CORRECTION
 from tests.recipes.seeds import SeedCount, check_seed_count, run_seeds
 from tests.recipes.test_async_ppo import FAST, run_recipes
 
@@ -167,14 +168,7 @@ def test_tiny_multiturn_tool_cpu_learns_to_call_the_tool_and_read_it(tmp_path, e
     check_seed_count(scores, TOOL_SEEDS, f"tiny_multiturn_tool_cpu {estimator}")
 
 
-C = "correction._component_=minippo.rl.correction."
-CORRECTIONS = {
-    "ewma": [],  # the config's
-    "tis": [C + "TIS", "~correction.reset_below"],
-    "keep_old_actor": [C + "KeepOldActor", "~correction.reset_below"],
-    "loglinear_prox": [C + "LogLinearProx", "~correction.reset_below"],
-    "rollout_logprobs": [C + "RolloutLogprobs", "~correction.cap", "~correction.reset_below"],
-}
+CORRECTIONS = SWITCH_CORRECTION  # EWMA: the config's
 SCHEDULES = {  # both cut episodes between publishes: partial rollouts on
     "overlap": ["rollout.partial_rollout=true"],
     "alternate": [
@@ -209,7 +203,7 @@ def test_every_correction_runs_multi_turn_episodes_in_both_schedules(tmp_path):
         assert len(rows) == 3, (c, m)
         for r in rows:
             assert r["rollout/turns_mean"] > 1.0 and math.isfinite(r["train/loss"]), (c, m, r)
-        if c == "keep_old_actor":
+        if c == "KeepOldActor":
             assert all(r["correction/version_mismatches"] == 0.0 for r in rows), (c, m)
         if m == "alternate":
             assert "rollout/carried_over" in rows[0], (c, m)

@@ -33,19 +33,13 @@ from minippo.training.metrics import read_jsonl
 from tests.helpers import (
     FIXED_BATCH_OVERRIDES,
     REPO,
+    SWITCH_CORRECTION,
     fixed_rollout_batch,
     recipe_on_fixed_batches,
 )
 
 U = torch.finfo(torch.float32).eps / 2
-C = "correction._component_=minippo.rl.correction."
-CORRECTIONS = {
-    "EWMA": [],
-    "TIS": [C + "TIS", "~correction.reset_below"],
-    "KeepOldActor": [C + "KeepOldActor", "~correction.reset_below"],
-    "LogLinearProx": [C + "LogLinearProx", "~correction.reset_below"],
-    "RolloutLogprobs": [C + "RolloutLogprobs", "~correction.cap", "~correction.reset_below"],
-}
+CORRECTIONS = SWITCH_CORRECTION
 # 2 epochs x 2 minibatches of 4 rows in micro-batches of 2: anchors shared across all of them
 SEVERAL_UPDATES = ["ppo.epochs=2", "ppo.minibatches=2", "ppo.micro_batch_size=2"]
 
@@ -173,8 +167,7 @@ def _tis_update(tmp_path, cap: float) -> tuple[dict, dict]:
         tmp_path,
         f"cap{cap}",
         "advantage_estimator=grpo",
-        C + "TIS",
-        "~correction.reset_below",
+        *SWITCH_CORRECTION["TIS"],
         f"correction.cap={cap}",
         "ppo.max_grad_norm=1e9",
     )

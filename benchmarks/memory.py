@@ -90,7 +90,9 @@ def model_overrides(dim: int | None, layers: int | None) -> list[str]:
 
 
 def measured(args) -> None:
-    base = [f"total_steps={args.steps}", *model_overrides(args.dim, args.layers)]
+    # the batch its figures were measured with (docs/benchmarks.md): 32 prompts x 4 samples
+    base = [f"total_steps={args.steps}", "rollout.samples_per_prompt=4"]
+    base += model_overrides(args.dim, args.layers)
     if args.quick:
         base += ["rollout.groups_per_batch=8", "ppo.micro_batch_size=8"]
     methods = ["none (sync)", "ewma"] if args.quick else list(METHODS)
@@ -288,7 +290,7 @@ def plan_vs_measured(args) -> list[list[str]]:
     cases = {"tiny_cpu": []} if args.quick else PLAN_CASES
     rows = []
     for name, over in cases.items():
-        over = [f"total_steps={args.plan_steps}", *over]
+        over = [f"total_steps={args.plan_steps}", "rollout.samples_per_prompt=4", *over]
         real = recipe_tensor_peak(over, args.out / "plan" / name.replace(" ", "_"))
         cfg = load_config("tiny_cpu", over)
         formula = plan_from_config(cfg).tensor_total

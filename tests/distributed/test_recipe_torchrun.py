@@ -22,7 +22,7 @@ def test_two_process_torchrun_run(tmp_path):
             "async_ppo", "--config", "tiny_cpu",
             "total_steps=2", f"output_dir={out}",
             "rollout.groups_per_batch=8", "ppo.minibatches=2", "ppo.micro_batch_size=8",
-            "progress_bar=false", "engine.in_process=true",
+            "rollout.samples_per_prompt=4", "progress_bar=false", "engine.in_process=true",
         ],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=600,
     )  # fmt: skip
@@ -50,6 +50,7 @@ def test_nproc_per_node_1_launches_a_one_rank_process_group(tmp_path):
             sys.executable, "-m", "minippo._cli.main", "run", "--nproc-per-node", "1",
             "async_ppo", "--config", "tiny_cpu", "dtype=bf16",
             "total_steps=1", f"output_dir={out}", "rollout.groups_per_batch=8",
+            "rollout.samples_per_prompt=4",
             "ppo.minibatches=2", "progress_bar=false", "engine.in_process=true",
             "checkpoint.export_hf=false",
         ],

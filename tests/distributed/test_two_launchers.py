@@ -40,6 +40,7 @@ COMMON = [
     "async_ppo", "--config", "tiny_cpu",
     f"total_steps={STEPS}",
     "rollout.groups_per_batch=8", "ppo.minibatches=2", "ppo.micro_batch_size=8",
+    "rollout.samples_per_prompt=4",
     "ppo.max_grad_norm=1e9", "cpu_threads=1", "engine.in_process=true",
     "progress_bar=false", "checkpoint.export_hf=false",
 ]  # fmt: skip

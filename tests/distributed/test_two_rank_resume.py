@@ -26,6 +26,7 @@ from tests.helpers import REPO, free_port
 
 SMALL = [
     "rollout.groups_per_batch=4",  # 2 prompts x 4 samples per rank
+    "rollout.samples_per_prompt=4",
     "ppo.minibatches=2",
     "ppo.micro_batch_size=4",
     "progress_bar=false",

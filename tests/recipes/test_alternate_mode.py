@@ -86,14 +86,14 @@ def test_partial_rollouts_span_versions_with_exact_keep_old_actor_anchors(tmp_pa
 
 
 # tiny_cpu in alternate mode with oversample 1.5: seeds whose final reward (the mean of the last 5
-# steps) stays below 0.9 in a 96-seed sweep (benchmarks/learning_sweep.py, 2-core AMD EPYC, torch
-# 2.13.0; docs/learning.md): 4 of 96 (seeds 47, 56, 85, 86; 3 of
-# them below 0.8). Its rate before the fix was not measured, so the
-# count catches a run that has stopped learning (tests/recipes/seeds.py).
-ALTERNATE_SEEDS = SeedCount(seeds=range(10), at_least=8, bar=0.9, bad=(9, 10), good=(4, 96))
+# steps) stays below 0.9 in a 20-seed sweep of the shipped settings (benchmarks/learning_sweep.py,
+# 2-core AMD EPYC, torch 2.13.0; docs/learning.md): 1 of 20 (seed 8: 0.777, a late collapse;
+# with 4 samples per prompt 4 of 96). Its rate before the fix was not measured, so the count
+# catches a run that has stopped learning (tests/recipes/seeds.py).
+ALTERNATE_SEEDS = SeedCount(seeds=range(10), at_least=7, bar=0.9, bad=(9, 10), good=(1, 20))
 
 
-@pytest.mark.slow  # 10 runs of ~20 s, two at a time; learning is covered by default in test_recipe_properties.py
+@pytest.mark.slow  # 10 runs of ~25 s, two at a time; learning is covered by default in test_recipe_properties.py
 def test_tiny_cpu_alternate_with_oversample_learns(tmp_path):
     """Alternate mode with oversampling learns to >= 0.9 on (nearly) every seed: a count over
     10 seeds, chosen from the measured rate (tests/recipes/seeds.py)."""

@@ -29,6 +29,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 FAST = [
     "rollout.groups_per_batch=8",
+    "rollout.samples_per_prompt=4",
     "ppo.minibatches=2",
     "ppo.micro_batch_size=8",
     "progress_bar=false",

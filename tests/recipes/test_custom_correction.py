@@ -88,6 +88,7 @@ USER_MODULE = textwrap.dedent(
 )
 SMALL = [
     "rollout.groups_per_batch=8",
+    "rollout.samples_per_prompt=4",
     "ppo.minibatches=2",
     "ppo.micro_batch_size=8",
     "progress_bar=false",

@@ -76,7 +76,8 @@ def res(tmp_path_factory) -> Path:
     save_pretrained(init_weights(Transformer(qwen3_tiny(vocab_size=51)), seed=0), root / "hf")
     proc = cli(
         *("run", "async_ppo", "--config", "tiny_cpu", f"output_dir={root / 'run'}"),
-        *("total_steps=2", "rollout.groups_per_batch=8", "ppo.minibatches=2"),
+        *("total_steps=2", "rollout.groups_per_batch=8", "rollout.samples_per_prompt=4"),
+        *("ppo.minibatches=2",),
         *("ppo.micro_batch_size=8", "progress_bar=false", "engine.in_process=true"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -267,6 +268,7 @@ def test_checkpoint_of_two_ranks_evaluates_like_its_export(tmp_path):
     proc = cli(
         *("run", "--nproc-per-node", "2", "async_ppo", "--config", "tiny_cpu"),
         *(f"output_dir={run}", "total_steps=1", "rollout.groups_per_batch=8"),
+        *("rollout.samples_per_prompt=4",),
         *("ppo.minibatches=2", "ppo.micro_batch_size=8", "progress_bar=false"),
         timeout=600,
     )

@@ -21,7 +21,7 @@ from minippo.training.metrics import read_jsonl
 REPO = Path(__file__).resolve().parents[2]
 RUN = [
     "run", "async_ppo", "--config", "tiny_cpu", "total_steps=2", "rollout.groups_per_batch=8",
-    "ppo.minibatches=2", "ppo.micro_batch_size=8", "progress_bar=false", "engine.in_process=true",
+    "rollout.samples_per_prompt=4", "ppo.minibatches=2", "ppo.micro_batch_size=8", "progress_bar=false", "engine.in_process=true",
 ]  # fmt: skip
 
 # The CLI with safetensors' writer patched: the process SIGKILLs itself right after the export's

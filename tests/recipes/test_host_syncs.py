@@ -73,6 +73,7 @@ def test_one_host_sync_per_optimizer_step_and_model(tmp_path):
         f"output_dir={tmp_path}",
         "total_steps=2",
         "rollout.groups_per_batch=8",
+        "rollout.samples_per_prompt=4",
         "ppo.minibatches=2",
         "ppo.micro_batch_size=4",  # 2 micro-batches per minibatch
         "engine.in_process=true",

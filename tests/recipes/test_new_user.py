@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHORT = [
     "total_steps=2",
     "rollout.groups_per_batch=8",
+    "rollout.samples_per_prompt=4",
     "ppo.minibatches=2",
     "progress_bar=false",
 ]

@@ -24,6 +24,7 @@ from tests.helpers import free_port
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [
     "rollout.groups_per_batch=8",
+    "rollout.samples_per_prompt=4",
     "ppo.minibatches=2",
     "ppo.micro_batch_size=4",
     "progress_bar=false",

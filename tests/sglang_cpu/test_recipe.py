@@ -27,8 +27,8 @@ def final_reward(rows: list[dict]) -> float:
     return sum(r["rollout/reward_mean"] for r in rows[-5:]) / 5
 
 
-# tiny_sglang_cpu samples 8 responses per prompt where tiny_cpu samples 4. With 4, one run in ~12
-# stalls near 0.75: one copy symbol's probability falls near 0 early and is never sampled again
+# tiny_sglang_cpu samples 8 responses per prompt (as tiny_cpu). With 4, one run in ~12
+# stalled near 0.75: one copy symbol's probability falls near 0 early and is never sampled again
 # (tiny_cpu over seeds 0-59: 5 of 60; SGLang alternate: 3 of 19). With 8 the measured runs all
 # ended >= 0.8 (tiny_cpu with samples_per_prompt=8, seeds 0-59: lowest 0.871; SGLang, unseeded:
 # 19 runs, lowest 0.822: a two-rank run that hovered near 0.75 for ~25 steps, then recovered;

@@ -22,6 +22,7 @@ OVERRIDES = [
     "tiny_cpu",
     "total_steps=3",
     "rollout.groups_per_batch=8",
+    "rollout.samples_per_prompt=4",
     "ppo.minibatches=2",
     "ppo.micro_batch_size=8",
     "progress_bar=false",

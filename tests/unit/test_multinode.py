@@ -95,7 +95,7 @@ def test_the_launcher_checks_the_batch_for_every_rank_of_every_node(capsys, tmp_
     rc = main(
         ["run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "h", "--master-port",
          "1", "async_ppo", "--config", "tiny_cpu", f"output_dir={tmp_path}",
-         "ppo.micro_batch_size=16"]
+         "rollout.samples_per_prompt=4", "ppo.micro_batch_size=16"]
     )  # fmt: skip
     assert rc == 2
     assert "minibatch rows (8) must be divisible by ppo.micro_batch_size (16)" in (
@@ -184,7 +184,7 @@ def test_plan_counts_the_bytes_a_step_sends_across_nodes():
     # 2 nodes x 2 ranks; 32 prompts x 4 / 4 ranks = 32 rows per rank; 4 minibatches of 8 rows in
     # micro-batches of 4: 8 micro-batches and 4 optimizer steps per step; no-grad passes over
     # the whole batch: 1 forward each (critic values, the correction's scoring passes)
-    cfg = load_config("tiny_cpu", ["ppo.micro_batch_size=4"])
+    cfg = load_config("tiny_cpu", ["rollout.samples_per_prompt=4", "ppo.micro_batch_size=4"])
     plan = plan_from_config(cfg, world_size=2, nnodes=2)
     (na, ba), (nc, bc) = _numels(False), _numels(True)
     c, r, e = 4, 4, 4  # fp32 compute, fp32 gradient reduction, fp32 engine

@@ -51,6 +51,7 @@ from pathlib import Path
 
 from _common import (
     DEFAULT_OUT,
+    TINY_CPU_4_SAMPLES,
     RecipeRun,
     ci95,
     correction_bytes,
@@ -166,7 +167,7 @@ def finished_cells(out: Path) -> list[Cell]:
 
 # settings a config has changed since the study's figures were measured: the values they had
 MEASURED_WITH = {
-    "tiny_cpu": ["rollout.samples_per_prompt=4", "optimizer.betas=[0.9,0.99]"],
+    "tiny_cpu": [*TINY_CPU_4_SAMPLES, "optimizer.betas=[0.9,0.99]"],
     "tiny_math_cpu": ["kl.coef=0.05"],
 }
 

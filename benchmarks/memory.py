@@ -34,6 +34,7 @@ from _common import (
     DEFAULT_OUT,
     QUIET_RUN,
     REPO,
+    TINY_CPU_4_SAMPLES,
     TensorMemoryTracker,
     correction_bytes,
     load_average,
@@ -90,9 +91,11 @@ def model_overrides(dim: int | None, layers: int | None) -> list[str]:
 
 
 def measured(args) -> None:
-    # the batch its figures were measured with (docs/benchmarks.md): 32 prompts x 4 samples
-    base = [f"total_steps={args.steps}", "rollout.samples_per_prompt=4"]
-    base += model_overrides(args.dim, args.layers)
+    base = [
+        f"total_steps={args.steps}",
+        *TINY_CPU_4_SAMPLES,
+        *model_overrides(args.dim, args.layers),
+    ]
     if args.quick:
         base += ["rollout.groups_per_batch=8", "ppo.micro_batch_size=8"]
     methods = ["none (sync)", "ewma"] if args.quick else list(METHODS)
@@ -290,7 +293,7 @@ def plan_vs_measured(args) -> list[list[str]]:
     cases = {"tiny_cpu": []} if args.quick else PLAN_CASES
     rows = []
     for name, over in cases.items():
-        over = [f"total_steps={args.plan_steps}", "rollout.samples_per_prompt=4", *over]
+        over = [f"total_steps={args.plan_steps}", *TINY_CPU_4_SAMPLES, *over]
         real = recipe_tensor_peak(over, args.out / "plan" / name.replace(" ", "_"))
         cfg = load_config("tiny_cpu", over)
         formula = plan_from_config(cfg).tensor_total

@@ -32,9 +32,10 @@ from minippo.training.metrics import read_jsonl
 REPO = Path(__file__).resolve().parent.parent
 DOCS_IMG = REPO / "docs" / "img"
 DEFAULT_OUT = Path(os.environ.get("TMPDIR", "/tmp")) / "minippo_bench"
-# tiny_cpu's batch before it went to 8 samples per prompt: the benchmarks whose documented figures
-# were measured with it keep it, so that a rerun measures the same work
-TINY_CPU_4_SAMPLES = ["rollout.samples_per_prompt=4"]
+# tiny_cpu's step before it went to 8 samples per prompt and bounded each actor update: the
+# benchmarks whose documented figures were measured with it keep it, so that a rerun measures the
+# same work
+TINY_CPU_AS_MEASURED = ["rollout.samples_per_prompt=4", "ppo.max_update_kl=null"]
 
 # Keys every benchmark run of the recipe sets: no progress bar, no periodic checkpoint or HF export
 # (the recipe still saves one checkpoint at the last step).

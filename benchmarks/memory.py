@@ -34,7 +34,7 @@ from _common import (
     DEFAULT_OUT,
     QUIET_RUN,
     REPO,
-    TINY_CPU_4_SAMPLES,
+    TINY_CPU_AS_MEASURED,
     TensorMemoryTracker,
     correction_bytes,
     load_average,
@@ -93,7 +93,7 @@ def model_overrides(dim: int | None, layers: int | None) -> list[str]:
 def measured(args) -> None:
     base = [
         f"total_steps={args.steps}",
-        *TINY_CPU_4_SAMPLES,
+        *TINY_CPU_AS_MEASURED,
         *model_overrides(args.dim, args.layers),
     ]
     if args.quick:
@@ -293,7 +293,7 @@ def plan_vs_measured(args) -> list[list[str]]:
     cases = {"tiny_cpu": []} if args.quick else PLAN_CASES
     rows = []
     for name, over in cases.items():
-        over = [f"total_steps={args.plan_steps}", *TINY_CPU_4_SAMPLES, *over]
+        over = [f"total_steps={args.plan_steps}", *TINY_CPU_AS_MEASURED, *over]
         real = recipe_tensor_peak(over, args.out / "plan" / name.replace(" ", "_"))
         cfg = load_config("tiny_cpu", over)
         formula = plan_from_config(cfg).tensor_total

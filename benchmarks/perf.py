@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from _common import (
     DEFAULT_OUT,
-    TINY_CPU_4_SAMPLES,
+    TINY_CPU_AS_MEASURED,
     TensorMemoryTracker,
     load_average,
     machine,
@@ -91,7 +91,7 @@ def async_vs_sync(quick: bool, threads: int, new_tokens: int, out: Path) -> list
         f"rollout.max_new_tokens={new_tokens}",
         # critic-free: with a critic the update phase is ~2.5x the rollout phase at any length
         "advantage_estimator=grpo",
-        *TINY_CPU_4_SAMPLES,
+        *TINY_CPU_AS_MEASURED,
     ]
     if quick:
         common += ["rollout.groups_per_batch=8", "ppo.micro_batch_size=8"]

@@ -39,6 +39,7 @@ from minippo.training.placement import cap_trainer_memory, rollout_mode
 from minippo.training.progress import ProgressBar
 from minippo.training.rank_balance import balance_over_ranks
 from minippo.training.rollout_queue import RolloutQueue
+from minippo.training.update_bound import UpdateBound
 
 # each rank logs its share of these losses; the logged value is their sum over ranks
 LOSS_SHARES = ("train/loss", "train/policy_loss", "train/kl_loss", "train/value_loss")
@@ -173,6 +174,10 @@ class AsyncPPORecipe:
         )
         self.actor_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
         self.critic_guard = NonFiniteGuard(cfg.max_consecutive_nonfinite)
+        max_kl = (
+            self.ppo.max_update_kl
+        )  # shorten or undo an actor step that moved its tokens further
+        self.update_bound = UpdateBound(max_kl) if max_kl is not None else None
 
         r = cfg.rollout
         self.sampling = SamplingParams(
@@ -456,14 +461,16 @@ class AsyncPPORecipe:
         minibatch loss over all ranks (global token/sequence counts): shares add up over
         micro-batches by gradient accumulation and over ranks by FSDP's gradient sum, whatever
         rows each micro-batch holds. Statistics stay on the device until ``result()``; the only
-        other host syncs are the finite checks, one per optimizer step. Returns (the statistics,
-        whether the actor's and the critic's optimizer stepped at least once)."""
+        other host syncs are the finite checks, one per optimizer step, and with
+        ``ppo.max_update_kl`` the KL of each actor step (:meth:`_bound_update`). Returns (the
+        statistics, whether the actor's and the critic's optimizer stepped at least once)."""
         stats = MetricAverager()  # per-token stats weigh by tokens, minibatch values by 1
         stepped = {"actor": False, "critic": False}
         clip = dict(max_norm=self.ppo.max_grad_norm, step=step)  # non-finite: the step is skipped
         for micros in plan:
             counts = rl.global_counts(batch.response_mask[torch.cat([m for m, _ in micros])])
             shares: dict[str, torch.Tensor] = {}  # this rank's loss shares of the minibatch
+            scored = []  # (micro-batch, layout, its logprobs before the step): ppo.max_update_kl
             for i, (micro, layout) in enumerate(micros):
                 last = i == len(micros) - 1  # HSDP: gradients cross nodes once per minibatch
                 parallel.set_replica_sync(self.actor, last)
@@ -472,20 +479,25 @@ class AsyncPPORecipe:
                 layout = None if layout is None else layout.to(self.device)
                 if train_actor:
                     ref = None if ref_logprobs is None else ref_logprobs[micro]
-                    out = self._actor_backward(
+                    *out, logprobs = self._actor_backward(
                         mb, micro, corr, advantages[micro], ref, counts, layout
                     )
                     self._add_shares(shares, out, stats, mb)
+                    scored.append((mb, layout, logprobs))
                 if self.use_critic:
                     v_old, ret = old_values[micro], returns[micro]
                     out = self._critic_backward(mb, v_old, ret, counts, layout)
                     self._add_shares(shares, out, stats, mb)
             if train_actor:
                 loss, guard = shares["train/loss"], self.actor_guard
+                if self.update_bound is not None:
+                    self.update_bound.snapshot(self.actor, self.optimizer)
                 norm, ok = clip_and_step(self.actor, self.optimizer, guard, loss, **clip)
+                stepped["actor"] |= ok
+                if ok and self.update_bound is not None:
+                    ok = self._bound_update(scored, counts, stats, step)
                 if ok:
                     self.correction.after_optimizer_step(self.actor)  # EWMA's θ̄ update
-                stepped["actor"] |= ok
                 stats.add({"train/grad_norm": norm})
             if self.use_critic:
                 loss, guard = shares["train/value_loss"], self.critic_guard
@@ -494,14 +506,43 @@ class AsyncPPORecipe:
                 stats.add({"train/critic_grad_norm": norm})
             stats.add(shares)
         out = stats.result()
+        if self.update_bound is not None and train_actor:
+            shortened, undone = self.update_bound.take_counts()
+            out |= {
+                "train/updates_shortened": float(shortened),
+                "train/updates_undone": float(undone),
+            }
         skipped = self.actor_guard.skipped_total + self.critic_guard.skipped_total
         out["train/nonfinite_skipped_total"] = float(skipped)
         return out, stepped
 
+    def _bound_update(self, scored, counts, stats, step) -> bool:
+        """``ppo.max_update_kl``: the KL of the actor step just taken on its own rows, one no-grad
+        forward of them with the stepped weights; a step over the bound is shortened or undone
+        (:class:`~minippo.training.update_bound.UpdateBound`). False: undone. Logs
+        ``train/update_kl`` (before any shortening)."""
+        bound = self.update_bound
+
+        @torch.no_grad()
+        def measure() -> torch.Tensor:
+            kl = torch.zeros((), device=self.device)
+            for mb, layout, before in scored:
+                after = models.token_logprobs(
+                    self.actor, mb.input_ids, attention_mask=mb.attention_mask,
+                    position_ids=mb.position_ids, temperature=self.temperature,
+                    start=mb.prompt_len, packed=layout,
+                )  # fmt: skip
+                kl = kl + bound.kl(before, after, mb.response_mask, counts.tokens)
+            return kl
+
+        kept, kl = bound.settle(measure, self.actor, self.optimizer, step)
+        stats.add({"train/update_kl": torch.tensor(kl)})
+        return kept
+
     def _actor_backward(self, mb, rows, corr, advantages, ref_logprobs, counts, layout):
         """Backward of one micro-batch's policy loss (+ β·KL with ``kl.mode: loss``); returns (its
-        loss shares, its per-token statistics). The lm_head and the loss run as one chunked pass
-        that forms their gradients in the forward, so backward recomputes no logits
+        loss shares, its per-token statistics, its logprobs). The lm_head and the loss run as one
+        chunked pass that forms their gradients in the forward, so backward recomputes no logits
         (``models.fused_policy_loss``: ``rl.policy_loss``'s loss, statistics and gradients, which
         the tests compare it with). Anchors that follow the current policy are formed token by
         token inside the pass; only weights that need whole rows of them (``tis`` at sequence
@@ -543,7 +584,7 @@ class AsyncPPORecipe:
             per_token["train/kl_mean"] = out.kl_stats.kl_mean
         out.loss.backward()
         shares["train/loss"] = out.loss.detach()
-        return shares, per_token
+        return shares, per_token, out.logprobs
 
     def _critic_backward(self, mb, old_values, returns, counts, layout):
         """Backward of one micro-batch's clipped value loss; returns (shares, statistics)."""

@@ -114,6 +114,7 @@ FIXED_BATCH_OVERRIDES = [
     "~critic.optimizer.weight_decay",
     "critic.optimizer.lr=0.1",
     "lr_scheduler.min_lr_ratio=1.0",
+    "ppo.max_update_kl=null",  # every update as taken (tests/recipes/test_update_bound.py: the bound)
     "cpu_threads=1",
     "engine.in_process=true",
     "progress_bar=false",
@@ -243,7 +244,7 @@ def reference_actor_backward(recipe, mb, rows, corr, advantages, ref_logprobs, c
         per_token["train/kl_mean"] = kst.kl_mean
     loss.backward()
     shares["train/loss"] = loss.detach()
-    return shares, per_token
+    return shares, per_token, logp.detach()
 
 
 def use_reference_policy_loss(recipe: Any) -> None:

@@ -426,6 +426,7 @@ def plan_inputs_from_config(
         offload_trainer=bool(setting(cfg, "rollout.offload_trainer")),
         engine_weights_host_copy=bool(engine.get("weights_cpu_backup", False)),
         gpu_mem_bytes=gpu,
+        update_snapshot=setting(cfg, "ppo.max_update_kl") is not None,
     )
 
 

@@ -434,6 +434,9 @@ class PlanInputs:
         sharding:                "fsdp" or "hsdp" (parallel.sharding)
         step:                    :class:`~minippo.plan.network.StepShape` of one training step,
                                  for the bytes it sends across nodes (None: not counted)
+        update_snapshot:         ppo.max_update_kl is set: each actor step first copies the
+                                 actor's parameters and optimizer states, and a step to shorten
+                                 its stepped parameters (freed after the step)
     """
 
     actor: Any
@@ -465,6 +468,7 @@ class PlanInputs:
     ranks_per_node: int | None = None
     sharding: str = "fsdp"
     step: Any = None
+    update_snapshot: bool = False
 
     def __post_init__(self) -> None:
         if self.ranks_per_node is None:
@@ -1002,6 +1006,28 @@ def _model_items(
     return items, act
 
 
+def _update_snapshot_item(items: list[PlanItem]) -> PlanItem:
+    """``ppo.max_update_kl``: the copy of the actor's parameters and optimizer states taken before
+    each actor step, and of the stepped parameters when the step is shortened, dropped after the
+    step. It lives with the gradients, after the backward passes have freed their activations: of
+    it and the training activations at the peak, only the larger counts."""
+    named = {i.name: i for i in items}
+    params, opt = named["actor parameters"], named["actor optimizer states"]
+    snapshot = PlanItem(
+        "actor update snapshot", 2 * params.device + opt.device, opt.host,
+        note="ppo.max_update_kl: parameters before and after + optimizer states; "
+        "instead of the activations",
+        phase="train", while_generating="freed",
+    )  # fmt: skip
+    acts = [i for i in items if i.name.endswith("activations") and i.at_peak]
+    if snapshot.device >= sum(i.device for i in acts):
+        for i in acts:
+            i.at_peak = False
+    else:
+        snapshot.at_peak = False
+    return snapshot
+
+
 def _opt_note(spec: OptimizerSpec) -> str:
     kind = {0: "fp m,v", 8: "8-bit m,v", 4: "4-bit m,v"}[spec.bits]
     return kind + (", offloaded to host" if spec.offload else "")
@@ -1061,6 +1087,8 @@ def plan_memory(x: PlanInputs) -> MemoryPlan:
     if x.reference:
         plan.items.append(PlanItem("reference model", P * x.master_bytes, note="frozen, sharded"))
     plan.items.append(_correction_item(x, P, plan.pinned_factor))
+    if x.update_snapshot:
+        plan.items.append(_update_snapshot_item(plan.items))
     plan.items.append(_scoring_item(x))
     if x.device == "cuda":
         if x.rollout_mode not in ROLLOUT_MODES:

@@ -18,7 +18,9 @@ recipe (recipes/async_ppo.py):
     step 4         one minibatch: per micro-batch the actor's ``fused_policy_loss`` backward
                    (the lm_head and the policy loss in one pass, the recipe's only path) and the
                    critic's ``value_loss`` backward (gradients accumulate), then the optimizer
-                   steps and ``zero_grad``
+                   steps and ``zero_grad`` (with ``ppo.max_update_kl``: the actor's step after a
+                   copy of its parameters and optimizer states, then a copy of the stepped
+                   parameters and a no-grad re-score, as for a step to shorten)
 
 Packed passes (``ppo.pack``) pack every forward as the recipe does; a token budget's forward
 holds sequences of the longest length and one shorter one that fills the budget exactly (the
@@ -48,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minippo.config import ConfigError, torch_dtype
 from minippo.plan.config import MASTER_DTYPE, _select, plan_inputs_from_config
 from minippo.plan.formula import PlanInputs, forward_tokens, model_param_shapes
+from minippo.training.update_bound import UpdateBound
 
 __all__ = ["MeasuredPeak", "measure_from_config", "measure_step"]
 
@@ -376,8 +379,16 @@ def _step(
             vloss.backward()
             del v, vloss
     for opt in opts:  # clip_grad_norm_ left out (module docstring)
+        bound = UpdateBound(1.0) if x.update_snapshot and opt is opts[0] else None
+        if bound is not None:  # ppo.max_update_kl: the actor's copy before its step
+            bound.snapshot(actor, opt)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if bound is not None:  # a step to shorten: the stepped weights kept, one re-score
+            with torch.no_grad():
+                stepped = [p.detach().clone() for p in actor.parameters()]
+                forward(token_logprobs, actor, mb, packed=mb_layout, **logprobs)
+            del bound, stepped
     del ref_logprobs
 
 

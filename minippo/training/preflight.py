@@ -154,6 +154,7 @@ ASYNC_PPO_SCHEMA: dict[str, Spec] = {
             "value_clip": Float(gt=0, null=True),
             "loss_agg_mode": Str(("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")),
             "max_grad_norm": Float(gt=0),
+            "max_update_kl": Float(gt=0, null=True, default=None),
             "whiten_advantages": Bool(),
         }
     ),

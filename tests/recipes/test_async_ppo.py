@@ -83,13 +83,13 @@ def run_recipes(
                 nan_now = [False]
 
                 def backward(self, *args, **kwargs):  # a NaN loss: NaN share, NaN gradients
-                    shares, per_token = real_backward(self, *args, **kwargs)
+                    shares, per_token, logprobs = real_backward(self, *args, **kwargs)
                     if nan_now[0]:
                         shares["train/loss"] = shares["train/loss"] * float("nan")
                         for p in self.actor.parameters():
                             if p.grad is not None:
                                 p.grad.fill_(float("nan"))
-                    return shares, per_token
+                    return shares, per_token, logprobs
 
                 def updates(self, step, *args, **kwargs):
                     nan_now[0] = step in nan_steps
@@ -165,6 +165,7 @@ def test_cli_run_pinned_metrics(tmp_path):
         "lr_scheduler.warmup_steps=0",
         "gae.value_lam=null",
         "optimizer.betas=[0.9,0.99]",  # the settings they were pinned with
+        "ppo.max_update_kl=null",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"metrics: {out / 'metrics.jsonl'}" in proc.stdout
@@ -450,13 +451,29 @@ def last_5(runs: dict[int, list[dict]]) -> dict[int, float]:
 TINY_CPU_SEEDS = SeedCount(seeds=range(59), at_least=55, bar=0.9, bad=(8, 60), good=(0, 120))
 
 
+# the same runs: a run that reached 0.95 and later fell below 0.8 (a late dip) in sweeps of the
+# shipped settings: 8 of 120 before ppo.max_update_kl, 0 of 180 with it (docs/learning.md). So at
+# least 58 of the 59 must stay at or above 0.8 once at 0.95 (score 1 = no late dip).
+TINY_CPU_NO_LATE_DIP = SeedCount(seeds=range(59), at_least=58, bar=1.0, bad=(8, 120), good=(0, 180))
+
+
+def no_late_dip(rows: list[dict], high: float = 0.95, low: float = 0.8) -> float:
+    """1.0 when the reward never falls below ``low`` after first reaching ``high``, else 0.0."""
+    reward = [r["rollout/reward_mean"] for r in rows]
+    reached = next((i for i, v in enumerate(reward) if v >= high), len(reward))
+    return float(all(v >= low for v in reward[reached:]))
+
+
 @pytest.mark.slow  # 59 runs of ~22 s, two at a time: ~11 min on 2 cores
 def test_tiny_cpu_default_learns(tmp_path):
-    """The main job as shipped learns from chance to >= 0.9 on (nearly) every seed: a count
-    over 59 seeds, chosen from the measured stall rates (tests/recipes/seeds.py)."""
+    """The main job as shipped learns from chance to >= 0.9 on (nearly) every seed, and a run
+    that has learnt keeps it: counts over 59 seeds, chosen from the measured rates
+    (tests/recipes/seeds.py)."""
     runs = tiny_cpu_seeds(tmp_path, TINY_CPU_SEEDS.seeds, *SHIPPED)
     assert all(rows[0]["rollout/reward_mean"] < 0.1 for rows in runs.values())
     check_seed_count(last_5(runs), TINY_CPU_SEEDS, "tiny_cpu, mean reward of the last 5 steps")
+    no_dip = {seed: no_late_dip(rows) for seed, rows in runs.items()}
+    check_seed_count(no_dip, TINY_CPU_NO_LATE_DIP, "tiny_cpu, no fall below 0.8 after 0.95")
 
 
 def test_output_dir_belongs_to_one_run(tmp_path):

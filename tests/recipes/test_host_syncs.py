@@ -2,8 +2,9 @@
 
 Every ``.item()``, ``.tolist()``, ``float(t)``, ``int(t)`` and ``bool(t)`` of a tensor waits for the
 device (a CUDA sync). Inside ``_ppo_updates`` the recipe needs exactly one per optimizer step and
-model (the non-finite guard decides whether to step) and one at the end (the step's statistics,
-copied together). The micro-batches and their packed layouts are planned before it
+model (the non-finite guard decides whether to step), one more per actor step with
+``ppo.max_update_kl`` (whether to undo it), and one at the end (the step's statistics, copied
+together). The micro-batches and their packed layouts are planned before it
 (``_update_plan``) from the batch's host copy, so they read nothing from the device. This test counts them, in the trainer's thread, by patching those methods.
 Calls made by torch itself are not counted: the optimizers read their step counters with
 ``.item()``, but those live on the host (``capturable=False``), so reading them never waits for
@@ -80,10 +81,13 @@ def test_one_host_sync_per_optimizer_step_and_model(tmp_path):
         "progress_bar=false",
         "checkpoint.export_hf=false",
     ]
-    # actor + critic (GAE, EWMA correction): 2 finite checks per optimizer step + 1 at the end
-    counts, opt_steps = _run_counting([*base, f"output_dir={tmp_path / 'gae'}"])
+    # actor + critic (GAE, EWMA correction), no update bound: 2 finite checks per optimizer step
+    # + 1 at the end
+    gae = [*base, f"output_dir={tmp_path / 'gae'}", "ppo.max_update_kl=null"]
+    counts, opt_steps = _run_counting(gae)
     assert counts == [2 * opt_steps + 1] * 2, counts
-    # critic-free GRPO with KL in the loss and a TIS correction: 1 per optimizer step + 1
+    # critic-free GRPO with KL in the loss and a TIS correction, tiny_cpu's update bound: 1 finite
+    # check and the bound's KL per optimizer step + 1
     counts, opt_steps = _run_counting(
         [
             *base,
@@ -97,4 +101,4 @@ def test_one_host_sync_per_optimizer_step_and_model(tmp_path):
             "~correction.reset_below",
         ]
     )
-    assert counts == [opt_steps + 1] * 2, counts
+    assert counts == [2 * opt_steps + 1] * 2, counts

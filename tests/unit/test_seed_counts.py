@@ -7,7 +7,7 @@ import pytest
 
 from tests.recipes.seeds import SeedCount, pass_probability
 from tests.recipes.test_alternate_mode import ALTERNATE_SEEDS
-from tests.recipes.test_async_ppo import SYNC_EVERY_3_SEEDS, TINY_CPU_SEEDS
+from tests.recipes.test_async_ppo import SYNC_EVERY_3_SEEDS, TINY_CPU_NO_LATE_DIP, TINY_CPU_SEEDS
 from tests.recipes.test_multi_turn import RETRY_SEEDS, TOOL_SEEDS
 from tests.recipes.test_tiny_math_cpu import MATH_SEEDS
 
@@ -20,8 +20,24 @@ def test_pass_probability_by_hand():
 
 @pytest.mark.parametrize(
     "spec",
-    [TINY_CPU_SEEDS, ALTERNATE_SEEDS, SYNC_EVERY_3_SEEDS, MATH_SEEDS, RETRY_SEEDS, TOOL_SEEDS],
-    ids=["tiny_cpu", "alternate", "sync_every_3", "math", "multiturn_retry", "multiturn_tool"],
+    [
+        TINY_CPU_SEEDS,
+        TINY_CPU_NO_LATE_DIP,
+        ALTERNATE_SEEDS,
+        SYNC_EVERY_3_SEEDS,
+        MATH_SEEDS,
+        RETRY_SEEDS,
+        TOOL_SEEDS,
+    ],
+    ids=[
+        "tiny_cpu",
+        "tiny_cpu_no_late_dip",
+        "alternate",
+        "sync_every_3",
+        "math",
+        "multiturn_retry",
+        "multiturn_tool",
+    ],
 )
 def test_seed_count_separates_the_old_rate_from_the_new(spec: SeedCount):
     n = len(spec.seeds)

@@ -124,14 +124,15 @@ class TrainerOffload:
         return time.perf_counter() - start
 
 
-def _copy(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+def copy_tensor(t: torch.Tensor, device: torch.device, pin: bool = False) -> torch.Tensor:
     """A copy of ``t`` in new storage on ``device`` (pinned if ``pin``), same class, shape and
     strides. Wrapper subclasses (DTensor, torchao's OptimState8bit...) are rebuilt around copies
-    of their inner tensors. Asynchronous on CUDA: synchronize before reading the result."""
+    of their inner tensors (torchao's low-bit states implement no ``clone``). Asynchronous on
+    CUDA: synchronize before reading the result on the host."""
     if is_traceable_wrapper_subclass(t):
         names, ctx = t.__tensor_flatten__()
         inner = {name: getattr(t, name) for name in names}  # DTensor lists its mesh here too
-        inner = {k: _copy(v, device, pin) if _is_tensor(v) else v for k, v in inner.items()}
+        inner = {k: copy_tensor(v, device, pin) if _is_tensor(v) else v for k, v in inner.items()}
         return type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
     out = torch.empty_like(t, device=device, pin_memory=pin, requires_grad=False)
     return out.copy_(t, non_blocking=True)
@@ -164,7 +165,7 @@ def _move_module(module: nn.Module, device: torch.device, pin: bool) -> None:
     """
     reshard_all(module)  # FSDP2: the sharded parameters must be the registered ones
     # keyed by id; each entry keeps its tensor alive, so that no id is reused during _apply
-    copies = {id(t): (t, _copy(t, device, pin)) for t in _param_tensors(module)}
+    copies = {id(t): (t, copy_tensor(t, device, pin)) for t in _param_tensors(module)}
     if device.type == "cpu":  # FSDP2 re-pads uneven shards by a CPU read of the host copies
         _synchronize()
 
@@ -189,7 +190,7 @@ def _move_state(
     optimizer: torch.optim.Optimizer, key: str, t: torch.Tensor, device: torch.device, pin: bool
 ) -> torch.Tensor:
     try:
-        return _copy(t, device, pin)
+        return copy_tensor(t, device, pin)
     except Exception as e:  # a tensor subclass without the flatten protocol or empty_like/copy_
         raise RuntimeError(
             f"TrainerOffload cannot move {type(optimizer).__name__}'s state {key!r} "

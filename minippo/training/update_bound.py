@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from minippo.parallel.offload import copy_tensor
 from minippo.rl.kl import kl_estimate
 
 log = logging.getLogger(__name__)
@@ -59,25 +60,24 @@ class UpdateBound:
         self._state: list[tuple[dict, dict]] = []
 
     def snapshot(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Copy the parameters and the optimizer state (tensors cloned, other values kept)."""
+        """Copy the parameters and the optimizer state: tensors (torchao's low-bit states too)
+        into new storage on their device, other values as they are."""
         with torch.no_grad():
             self._params = [p.detach().clone() for p in model.parameters()]
             self._state = [
-                (st, {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()})
-                for st in optimizer.state.values()
+                (st, {k: _copied(v) for k, v in st.items()}) for st in optimizer.state.values()
             ]
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Write the snapshot back in place (the optimizer keeps its references)."""
+        """Write the snapshot back: into the parameters in place (FSDP2 and the optimizer hold
+        them), the optimizer state's entries replaced by their copies (the snapshot is dropped
+        afterwards)."""
         with torch.no_grad():
             for p, saved in zip(model.parameters(), self._params, strict=True):
                 p.copy_(saved)
             for st, saved in self._state:
-                for k, v in saved.items():
-                    if torch.is_tensor(v) and torch.is_tensor(st.get(k)):
-                        st[k].copy_(v)
-                    else:
-                        st[k] = v
+                st.clear()
+                st.update(saved)
 
     @staticmethod
     def kl(
@@ -139,3 +139,7 @@ class UpdateBound:
         counts = (self.shortened, self.undone)
         self.shortened = self.undone = 0
         return counts
+
+
+def _copied(value: object) -> object:
+    return copy_tensor(value.detach(), value.device) if torch.is_tensor(value) else value

@@ -527,17 +527,21 @@ class AsyncPPORecipe:
         def measure() -> torch.Tensor:
             kl = torch.zeros((), device=self.device)
             for mb, layout, before in scored:
-                after = models.token_logprobs(
-                    self.actor, mb.input_ids, attention_mask=mb.attention_mask,
-                    position_ids=mb.position_ids, temperature=self.temperature,
-                    start=mb.prompt_len, packed=layout,
-                )  # fmt: skip
+                after = models.token_logprobs(self.actor, mb.input_ids, **self._scoring(mb, layout))
                 kl = kl + bound.kl(before, after, mb.response_mask, counts.tokens)
             return kl
 
         kept, kl = bound.settle(measure, self.actor, self.optimizer, step)
         stats.add({"train/update_kl": torch.tensor(kl)})
         return kept
+
+    def _scoring(self, mb, layout) -> dict:
+        """The keywords that score a micro-batch's response tokens with the actor (the fused loss
+        and the update bound's re-score): its masks, the sampling temperature, packed or not."""
+        return dict(
+            attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+            temperature=self.temperature, start=mb.prompt_len, packed=layout,
+        )  # fmt: skip
 
     def _actor_backward(self, mb, rows, corr, advantages, ref_logprobs, counts, layout):
         """Backward of one micro-batch's policy loss (+ β·KL with ``kl.mode: loss``); returns (its
@@ -549,10 +553,7 @@ class AsyncPPORecipe:
         level, one update per step) take one no-grad forward first. ``layout``: packed or None."""
         ppo, kl, m = self.ppo, self.kl, mb.response_mask
         agg = dict(agg_mode=ppo.loss_agg_mode, global_tokens=counts.tokens, global_seqs=counts.seqs)
-        score = dict(
-            attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-            temperature=self.temperature, start=mb.prompt_len, packed=layout,
-        )  # fmt: skip
+        score = self._scoring(mb, layout)
         rows = rows.to(self.device)
         token_anchors = corr.token_anchors(rows)
         if token_anchors is not None:

@@ -2,8 +2,10 @@
 than the bound however far it is shortened is undone (the actor and its optimizer state as before
 the step, bit for bit; the critic's step stays), also on 2 FSDP2 ranks (sharded parameters and
 states); a bound never reached changes nothing; ``train/update_kl``, ``train/updates_shortened``
-and ``train/updates_undone`` are logged. Driven with fixed
-rollouts, AdamW (its moments and step counter must come back too)."""
+and ``train/updates_undone`` are logged. In the GPU configs' precision (``dtype: bf16``: FSDP2
+with bf16 compute and fp32 master weights) the undo restores the fp32 masters, and a step that
+moves nothing measures a KL of exactly 0 (no rounding floor under the bound). Driven with fixed rollouts, AdamW (its moments
+and step counter must come back too)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from tests.helpers import (
     fixed_rollout_batch,
     recipe_on_fixed_batches,
     run_on_ranks,
+    shared_process_group,
 )
 
 ADAM_TWO_STEPS = [
@@ -27,8 +30,10 @@ ADAM_TWO_STEPS = [
 ]
 
 
-def _train(tmp_path, name: str, max_update_kl: str, rank: int = 0, world: int = 1):
-    overrides = [*FIXED_BATCH_OVERRIDES, *ADAM_TWO_STEPS, f"ppo.max_update_kl={max_update_kl}"]
+def _train(tmp_path, name: str, max_update_kl: str, rank: int = 0, world: int = 1, extra=()):
+    overrides = [
+        *FIXED_BATCH_OVERRIDES, *ADAM_TWO_STEPS, f"ppo.max_update_kl={max_update_kl}", *extra
+    ]  # fmt: skip
     cfg = load_config("tiny_cpu", [*overrides, f"output_dir={tmp_path / name}"])
     with recipe_on_fixed_batches(cfg, lambda step: batch, rank, world) as recipe:
         batch = fixed_rollout_batch(recipe.actor.args, actor_seed=cfg.seed)
@@ -88,3 +93,31 @@ def test_an_undone_step_restores_the_sharded_actor_on_two_ranks(tmp_path):
     run_on_ranks(_two_ranks, str(tmp_path))
     rows = read_jsonl(tmp_path / "two_ranks" / "metrics.jsonl")
     assert [r["train/updates_undone"] for r in rows] == [2.0, 2.0]
+
+
+def _bf16(rank: int, world: int, out: str) -> None:
+    """dtype=bf16 needs a process group (FSDP2 mixed precision): one spawned rank, two runs."""
+    from pathlib import Path
+
+    with shared_process_group():
+        before, after, _ = _train(Path(out), "bf16_undo", "1e-30", rank, world, ["dtype=bf16"])
+        assert _same(before, after, "actor.") and _same(before, after, "adam")
+        assert not _same(before, after, "critic.")
+        assert all(v.dtype == torch.float32 for k, v in after.items() if k.startswith("actor."))
+        still = ["dtype=bf16", "optimizer.lr=1e-30"]  # below every weight's last bit: no move
+        before, after, _ = _train(Path(out), "bf16_still", "1e30", rank, world, still)
+        assert _same(before, after, "actor.")
+
+
+def test_in_bf16_the_undo_restores_the_fp32_masters_and_a_still_step_measures_zero(tmp_path):
+    """The bound in the GPU configs' precision. An undone step leaves the fp32 master weights and
+    AdamW's state as they were. A step that moves no weight measures an update KL of exactly 0:
+    the "before" logprobs (the fused loss's pass) and the re-score are the same bf16 operations on
+    the same rows with the same shapes, so they agree bit for bit (as the on-policy ratio of 1 in
+    tests/distributed/test_bf16_recipe.py); a rounding floor would eat into the bound."""
+    run_on_ranks(_bf16, str(tmp_path), world_size=1)
+    undone = read_jsonl(tmp_path / "bf16_undo" / "metrics.jsonl")
+    assert [r["train/updates_undone"] for r in undone] == [2.0, 2.0]
+    still = read_jsonl(tmp_path / "bf16_still" / "metrics.jsonl")
+    assert [r["train/update_kl"] for r in still] == [0.0, 0.0]
+    assert [r["train/updates_undone"] + r["train/updates_shortened"] for r in still] == [0, 0]

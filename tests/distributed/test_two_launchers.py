@@ -28,6 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from minippo.training.metrics import read_jsonl
@@ -174,6 +175,7 @@ def test_two_launchers_with_a_static_rendezvous_number_the_ranks_by_node(tmp_pat
         }  # fmt: skip
 
 
+@pytest.mark.slow  # ~25 s of four processes; distributed/test_hsdp.py keeps HSDP in the default suite
 def test_two_launchers_hsdp_equal_one_launcher_fsdp(tmp_path):
     nodes = _two_nodes(tmp_path)
     _one_node(tmp_path / "one")

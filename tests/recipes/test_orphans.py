@@ -159,7 +159,9 @@ def test_sigkill_of_a_single_process_run_leaves_nothing(tmp_path, victim):
         assert "minippo: error:" in err and "engine process died" in err, err[-3000:]
 
 
-@pytest.mark.parametrize("victim", ["launcher", "rank"])
+# the launcher's kill is slow (~18 s); the default suite keeps the rank's, and the single-process
+# trainer's above (a parent killed, its children gone)
+@pytest.mark.parametrize("victim", [pytest.param("launcher", marks=pytest.mark.slow), "rank"])
 def test_sigkill_of_a_two_rank_run_leaves_nothing(tmp_path, victim):
     out = tmp_path / "run"
     proc = _start(out, "--nproc-per-node", "2", "--master-port", str(free_port()))

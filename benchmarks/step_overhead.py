@@ -385,7 +385,7 @@ def main() -> None:
         print("RESULT=" + json.dumps(child(args)), flush=True)
         return
     if args.quick:
-        args.runs, args.warm, args.plain, args.profiled = 1, 2, 3, 2
+        args.runs, args.warm, args.plain, args.profiled = 1, 1, 2, 1
     load_before = load_average()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="step_overhead_") as tmp:

@@ -1,14 +1,16 @@
 """Small helpers shared by test modules (imported as ``tests.helpers``): free ports and gloo ranks
-for multi-process tests, bytes autograd saves for backward, the recipe driven with fixed
-rollouts, and the unfused reference of the recipe's actor micro-step."""
+for multi-process tests, the CLI in the test's process, bytes autograd saves for backward, the
+recipe driven with fixed rollouts, and the unfused reference of the recipe's actor micro-step."""
 
 from __future__ import annotations
 
+import io
 import os
 import socket
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def minippo_here(*args: str) -> subprocess.CompletedProcess:
+    """``minippo <args>`` in this process, for a command that ends before any recipe runs
+    (``validate``, a refused ``run``): the console entry's code without a process of its own,
+    which spends seconds importing torch. ``(returncode, stdout, stderr)`` as from
+    ``subprocess.run``; the launch time a ``run`` records (``${now}``) is undone. The process
+    itself (one line, no traceback, exit code): tests/recipes/test_bad_inputs.py."""
+    from minippo._cli.main import main
+    from minippo.config._parse import RUN_TIME_ENV
+
+    before = os.environ.get(RUN_TIME_ENV)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        if before is None:
+            os.environ.pop(RUN_TIME_ENV, None)
+        else:
+            os.environ[RUN_TIME_ENV] = before
+    return subprocess.CompletedProcess(["minippo", *args], code, out.getvalue(), err.getvalue())
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:

@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from minippo.training.metrics import read_jsonl
+from tests.helpers import minippo_here
 from tests.recipes.seeds import SeedCount, check_seed_count
 from tests.recipes.test_async_ppo import (
     FAST,
@@ -21,7 +22,6 @@ from tests.recipes.test_async_ppo import (
     SHIPPED,
     _env,
     assert_same,
-    cli,
     last_5,
     run_recipes,
     stable,
@@ -106,7 +106,7 @@ def test_tiny_cpu_alternate_with_oversample_learns(tmp_path):
 
 def test_overlap_refuses_alternate_only_keys(tmp_path):
     for key in ("rollout.oversample=1.5", "rollout.offload_trainer=true"):
-        proc = cli("validate", "--config", "tiny_cpu", key)
+        proc = minippo_here("validate", "--config", "tiny_cpu", key)
         assert proc.returncode != 0
         assert "needs rollout.mode=alternate" in proc.stderr
         assert "Traceback" not in proc.stderr
@@ -120,7 +120,7 @@ def test_alternate_refuses_what_it_cannot_run():
         "rollout.max_staleness=0": "set rollout.max_staleness>=1 or rollout.oversample=1.0",
     }
     for key, message in cases.items():
-        proc = cli("validate", "--config", "tiny_cpu", *ALTERNATE, key)
+        proc = minippo_here("validate", "--config", "tiny_cpu", *ALTERNATE, key)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
 

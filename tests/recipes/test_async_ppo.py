@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from minippo.training.metrics import read_jsonl
-from tests.helpers import SWITCH_CORRECTION
+from tests.helpers import SWITCH_CORRECTION, minippo_here
 from tests.recipes.seeds import SeedCount, check_seed_count, run_seeds
 
 REPO = Path(__file__).resolve().parents[2]
@@ -336,7 +336,9 @@ def test_resume_equals_uninterrupted_run(tmp_path, case):
 def test_bad_configs_fail_before_anything_is_built(tmp_path):
     out = tmp_path / "never"
     # async + critic + no correction: the fail-fast correction check lists the options
-    proc = cli("run", "async_ppo", "--config", "tiny_cpu", "correction=null", f"output_dir={out}")
+    proc = minippo_here(
+        "run", "async_ppo", "--config", "tiny_cpu", "correction=null", f"output_dir={out}"
+    )
     assert proc.returncode != 0
     assert "correction._component_=minippo.rl.correction.EWMA" in proc.stderr
     assert "max_staleness=1" in proc.stderr
@@ -483,7 +485,7 @@ def test_output_dir_belongs_to_one_run(tmp_path):
     args = ["run", "async_ppo", "--config", "tiny_cpu", *FAST, f"output_dir={out}"]
     assert cli(*args, "total_steps=2").returncode == 0
     before = (out / "metrics.jsonl").read_text()
-    again = cli(*args, "total_steps=2")
+    again = minippo_here(*args, "total_steps=2")
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-2000:]
     assert "holds another run's outputs" in again.stderr and "resume_from=latest" in again.stderr
     assert (out / "metrics.jsonl").read_text() == before
@@ -498,7 +500,7 @@ def test_output_dir_belongs_to_one_run(tmp_path):
         deadline = time.time() + 120
         while (out / "metrics.jsonl").read_text() == before and time.time() < deadline:
             time.sleep(0.2)  # until the first run has logged a step of its own
-        second = cli(*args, "total_steps=400", "resume_from=latest")
+        second = minippo_here(*args, "total_steps=400", "resume_from=latest")
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"is in use by another run (pid {first.pid} " in second.stderr
     finally:

@@ -20,6 +20,7 @@ import pytest
 
 from minippo.training.evaluation import pass_at_k, read_samples
 from minippo.training.metrics import read_jsonl
+from tests.helpers import minippo_here
 
 REPO = Path(__file__).resolve().parents[2]
 EVAL = ["run", "eval", "--config", "tiny_eval_cpu", "progress_bar=false", "correct_threshold=0.25"]
@@ -240,7 +241,7 @@ def test_bad_inputs_are_one_line_each(tmp_path, res, capsys):
     assert validate(capsys, "--config", "tiny_eval_cpu", hf) == (0, "")
 
     # `minippo run` refuses the same, in one line, before anything is written
-    proc = cli("run", "eval", "--config", str(typo), hf, f"output_dir={tmp_path / 'out'}")
+    proc = minippo_here("run", "eval", "--config", str(typo), hf, f"output_dir={tmp_path / 'out'}")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("minippo: error: unknown config key 'samples_per_promt'")

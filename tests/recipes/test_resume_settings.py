@@ -11,7 +11,8 @@ import json
 
 from minippo.training.metrics import read_jsonl
 from minippo.training.resume_settings import MAY_CHANGE_ON_RESUME, changed_settings
-from tests.recipes.test_async_ppo import FAST, cli, run_recipes
+from tests.helpers import minippo_here
+from tests.recipes.test_async_ppo import FAST, run_recipes
 
 
 def test_changed_settings_names_each_key_outside_the_list():
@@ -38,7 +39,7 @@ def test_resume_refuses_a_changed_algorithm_and_keeps_each_launchs_config(tmp_pa
     changed = [*common, "total_steps=3", "resume_from=latest", "advantage_estimator=grpo"]
     for command in ("run", "validate"):
         args = [command, "async_ppo"] if command == "run" else [command]
-        proc = cli(*args, "--config", "tiny_cpu", *changed)
+        proc = minippo_here(*args, "--config", "tiny_cpu", *changed)
         assert proc.returncode != 0, proc.stdout
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert len(lines) <= 2 and "advantage_estimator: 'gae' -> 'grpo'" in lines[-1], lines

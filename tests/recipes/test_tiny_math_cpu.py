@@ -12,6 +12,7 @@ import pytest
 from minippo.config import instantiate, load_config
 from minippo.data import MathAnswerMatch
 from minippo.training.metrics import read_jsonl
+from tests.helpers import minippo_here
 from tests.recipes.seeds import SeedCount, check_seed_count, run_seeds
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ def test_config_builds_the_math_path():
 
 
 def test_validates_and_runs_three_steps(tmp_path):
-    res = cli("validate", "--config", "tiny_math_cpu")
+    res = minippo_here("validate", "--config", "tiny_math_cpu")
     assert res.returncode == 0 and "well-formed" in res.stdout, res.stderr[-2000:]
     out = tmp_path / "run"
     proc = cli(

@@ -4,6 +4,7 @@ as without it (seeded requests, no global RNG, the rollout queue idle meanwhile)
 import pytest
 
 from minippo.training.metrics import read_jsonl
+from tests.helpers import minippo_here
 from tests.recipes.test_async_ppo import FAST, assert_same, run_recipes, stable
 
 EVAL = (
@@ -34,18 +35,16 @@ def test_validation_is_logged_and_changes_nothing_in_training(tmp_path, mode):
 
 
 def test_eval_every_must_follow_the_sync_cycle(tmp_path):
-    from tests.recipes.test_async_ppo import cli
-
-    proc = cli("validate", "--config", "tiny_cpu", "rollout.sync_every=3", EVAL)
+    proc = minippo_here("validate", "--config", "tiny_cpu", "rollout.sync_every=3", EVAL)
     assert proc.returncode == 1
     assert "eval.every_n_steps (2) must be a multiple of rollout.sync_every (3)" in proc.stderr
 
 
 def test_final_validation_needs_a_whole_sync_cycle():
     """The last validation runs right after the last publish: total_steps must end a cycle."""
-    from tests.recipes.test_async_ppo import cli
-
-    proc = cli("validate", "--config", "tiny_cpu", "rollout.sync_every=2", "total_steps=7", EVAL)
+    proc = minippo_here(
+        "validate", "--config", "tiny_cpu", "rollout.sync_every=2", "total_steps=7", EVAL
+    )
     assert proc.returncode == 1
     assert "total_steps (7) must be a multiple of rollout.sync_every (2) when eval is set" in (
         proc.stderr

@@ -1,17 +1,20 @@
 """Every benchmark script runs in its ``--quick`` mode and prints its table, so none of them rots.
 
 Each script runs in a subprocess (with a timeout) from the repository root; scratch output goes to
-a temporary TMPDIR. Scripts whose quick mode takes longer than ~20 s on an unloaded 2-core machine
-are marked ``slow`` (run them with ``pytest -m slow``), which keeps the default total of these
-tests under ~90 s.
+a temporary TMPDIR. The selected scripts run two at a time (their tables are checked, not their
+timings; two processes overlap the seconds each spends importing torch): 0.67x the serial wall
+time of four of them on a 2-core AMD EPYC. Scripts whose quick mode takes longer than ~20 s on an
+unloaded 2-core machine are marked ``slow`` (run them with ``pytest -m slow``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -73,13 +76,12 @@ MARKERS = {
 NEEDS = {"vs_trl.py": "trl"}
 # Scripts whose quick mode runs in another lane, where what they measure is installed.
 OTHER_LANES = {"sglang_cpu.py": "tests/sglang_cpu/test_benchmark.py"}  # the real SGLang engine
-# Quick modes slower than ~20 s on an unloaded 2-core machine. Measured at load ~1 (seconds):
-# corrections_study 12, perf 18, memory 13, engine_throughput 8.5, correction_cost 11,
-# logprob_memory 11, reward_speed 8 (at load 5), long_tail 8 (at load 3), step_overhead 19 (at
-# load 2) (default total ~108 s);
-# optimizer_memory 28 (slow). On a 2-core AMD EPYC (2026-12-06, 2 workers) memory took 25 s and
-# the two scripts that run the whole recipe per seed (learning_sweep, main_job_time) ~10-20 s
-# each: slow too, which keeps the serial default suite under 15 minutes there.
+# Quick modes slower than ~20 s on an unloaded 2-core machine. In the default suite on a 2-core
+# AMD EPYC (2026-12-07, one at a time, seconds): perf 18, host_memory 16, logprob_memory 15,
+# step_overhead 14, engine_kernel_cache 14, correction_cost 12, corrections_study 12,
+# engine_throughput 9, long_tail 6, packing 5, reward_speed 4 (~125 s in all; two at a time
+# ~0.7 of that); optimizer_memory 28 and memory 25 (slow), and the two scripts that run the whole
+# recipe per seed (learning_sweep, main_job_time) ~10-20 s each: slow too.
 SLOW = {"optimizer_memory.py", "memory.py", "learning_sweep.py", "main_job_time.py"}
 TIMEOUT_S = 900
 
@@ -100,6 +102,35 @@ def test_every_script_is_covered():
         assert script in SCRIPTS and (REPO / test).read_text().count(script), (script, test)
 
 
+def _quick(script: str, tmp: Path) -> subprocess.CompletedProcess | str:
+    """``benchmarks/<script> --quick``; the failure's text if it ran past TIMEOUT_S."""
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+    try:
+        return subprocess.run(
+            [sys.executable, str(REPO / "benchmarks" / script), "--quick"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        return f"{script} --quick did not finish in {TIMEOUT_S} s:\n{(e.stdout or '')[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def quick_runs(request, tmp_path_factory) -> dict:
+    """The quick run of every script this session selected, two at a time: script -> result."""
+    test = "test_quick_mode_runs_and_prints_its_table"
+    selected = [
+        item.callspec.params["script"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == test and item.module is request.module
+    ]
+    runnable = [
+        s for s in selected if s not in NEEDS or importlib.util.find_spec(NEEDS[s]) is not None
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {s: pool.submit(_quick, s, tmp_path_factory.mktemp(s)) for s in runnable}
+        return {s: f.result() for s, f in futures.items()}
+
+
 @pytest.mark.parametrize(
     "script",
     [
@@ -108,25 +139,14 @@ def test_every_script_is_covered():
         if s not in OTHER_LANES
     ],
 )
-def test_quick_mode_runs_and_prints_its_table(script, tmp_path):
+def test_quick_mode_runs_and_prints_its_table(script, quick_runs):
     if script in NEEDS:
         pytest.importorskip(
             NEEDS[script], reason=f"{script} needs {NEEDS[script]} (the bench extra)"
         )
-    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "benchmarks" / script), "--quick"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(
-            f"{script} --quick did not finish in {TIMEOUT_S} s:\n{(e.stdout or '')[-3000:]}"
-        )
+    proc = quick_runs[script]
+    if isinstance(proc, str):
+        pytest.fail(proc)
     out = proc.stdout
     assert proc.returncode == 0, (
         f"{script} --quick exited {proc.returncode}:\n{proc.stderr[-4000:]}"

@@ -12,6 +12,7 @@ import pytest
 
 from minippo._cli import registry
 from minippo._cli.main import main
+from tests.helpers import minippo_here
 
 CLI = [sys.executable, "-m", "minippo"]
 
@@ -115,25 +116,25 @@ def test_run_local_recipe_with_overrides(local_recipe, tmp_path):
 
 def test_run_refuses_flags_after_recipe(local_recipe):
     recipe, cfg = local_recipe
-    res = run_cli("run", str(recipe), "--config", str(cfg), "--seed", "3")
+    res = minippo_here("run", str(recipe), "--config", str(cfg), "--seed", "3")
     assert res.returncode == 2
     assert "config values are set as key=value" in res.stderr and "`seed=3`" in res.stderr
 
 
 def test_run_unknown_names_list_known(local_recipe):
     _, cfg = local_recipe
-    res = run_cli("run", "no_such_recipe", "--config", str(cfg))
+    res = minippo_here("run", "no_such_recipe", "--config", str(cfg))
     assert res.returncode == 2 and "built-in recipes: async_ppo" in res.stderr
     recipe, _ = local_recipe
-    res = run_cli("run", str(recipe), "--config", "no_such_config")
+    res = minippo_here("run", str(recipe), "--config", "no_such_config")
     assert res.returncode == 2 and "built-in configs: tiny_cpu" in res.stderr
-    res = run_cli("run", str(recipe))
+    res = minippo_here("run", str(recipe))
     assert res.returncode == 2 and "missing --config" in res.stderr
 
 
 def test_run_bad_override_fails_before_recipe(local_recipe, tmp_path):
     recipe, cfg = local_recipe
-    res = run_cli("run", str(recipe), "--config", str(cfg), "sead=1")
+    res = minippo_here("run", str(recipe), "--config", str(cfg), "sead=1")
     assert res.returncode == 2 and "unknown config key 'sead'" in res.stderr
     assert not list(tmp_path.glob("rank_*.json"))
 
@@ -159,11 +160,11 @@ def test_run_through_torchrun(local_recipe, tmp_path):
 def test_validate_ok_and_problems(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("opt:\n  _component_: torch.optim.SGD\n  lr: 0.1\n")
-    res = run_cli("validate", "--config", str(good))
+    res = minippo_here("validate", "--config", str(good))
     assert res.returncode == 0 and "well-formed" in res.stdout
-    res = run_cli("validate", "--config", str(good), "opt.momentum=0.9")
+    res = minippo_here("validate", "--config", str(good), "opt.momentum=0.9")
     assert res.returncode == 1 and "unknown config key 'opt.momentum'" in res.stderr
-    res = run_cli("validate", "--config", str(good), "+opt.momentun=0.9", "+x._component_=a.b")
+    res = minippo_here("validate", "--config", str(good), "+opt.momentun=0.9", "+x._component_=a.b")
     assert res.returncode == 1
     assert "opt: unknown keys: opt.momentun (did you mean momentum?)" in res.stderr
     assert "x._component_: cannot import 'a.b'" in res.stderr

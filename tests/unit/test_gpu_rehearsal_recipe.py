@@ -1,8 +1,9 @@
 """scripts/gpu_rehearsal.py --dry-run, the recipe and tiny checks: the GPU rehearsal's code path
 (the real recipe under torchrun, alternate with the engine sleeping, trainer offload, the
-memory plan beside it, tiny_cpu through the CLI) on CPU with tiny shapes and gloo, writing the
-JSON keys the GPU run writes. The checks that need the sglang wheel: test_gpu_rehearsal.py; the
-GPU run itself: tests/gpu/test_gpu_rehearsal.py (it compares its keys with a dry run's)."""
+memory plan beside it; slow: tiny_cpu through the CLI both ways) on CPU with tiny shapes and gloo,
+writing the JSON keys the GPU run writes. The checks that need the sglang wheel:
+test_gpu_rehearsal.py; the GPU run itself: tests/gpu/test_gpu_rehearsal.py (it compares its keys
+with a dry run's)."""
 
 from __future__ import annotations
 
@@ -58,15 +59,20 @@ TINY_RUN_KEYS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def dry(tmp_path_factory) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp("rehearsal") / "r.json"
+def _dry_run(folder: Path, only: str) -> tuple[dict, str]:
+    """``gpu_rehearsal.py --dry-run --only <only>``: its JSON report and its stdout."""
+    out = folder / "r.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--only", "recipe,tiny", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--dry-run", "--only", only, "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory) -> tuple[dict, str]:
+    return _dry_run(tmp_path_factory.mktemp("rehearsal"), "recipe")
 
 
 def _numel(model_cls) -> tuple[int, int]:
@@ -79,8 +85,8 @@ def _numel(model_cls) -> tuple[int, int]:
 def test_report_and_summary(dry):
     report, stdout = dry
     assert report["dry_run"] and report["device"] == "cpu" and report["verdict"] == "OK"
-    assert report["checks_selected"] == ["recipe", "tiny"]
-    for name in ("publish", "torch_engine", "ewma", "agent_store"):
+    assert report["checks_selected"] == ["recipe"]
+    for name in ("tiny", "publish", "torch_engine", "ewma", "agent_store"):
         assert report[name]["status"] == "not run" and report[name]["ok"] is None
     assert "GPU path: OK; memory plan: not measured" in stdout  # the summary's last line
     assert stdout.count("\n") < 60  # one screen
@@ -150,8 +156,9 @@ def test_plan_beside_the_run(dry):
         assert c["measured_bytes"] is None and c["ratio"] is None and c["holds"] is None
 
 
-def test_tiny_cpu_runs_through_the_cli_both_ways(dry):
-    tiny = dry[0]["tiny"]
+@pytest.mark.slow  # two CLI runs of tiny_cpu (~20 s); the same launches run by default elsewhere
+def test_tiny_cpu_runs_through_the_cli_both_ways(tmp_path):
+    tiny = _dry_run(tmp_path, "tiny")[0]["tiny"]
     assert tiny["ok"] and set(tiny["runs"]) == {"overlap", "alternate"}
     for name, run in tiny["runs"].items():
         assert set(run) == TINY_RUN_KEYS and run["ok"] and run["steps"] == 3, name

@@ -3,8 +3,8 @@
 One command on one CUDA GPU (no internet needed; docs/sglang_backend.md "Verify on hardware"),
 one JSON (``--out``) and a one-screen summary; exit 0 if every check that ran passed, 1 if one
 failed, 3 if one did not start within the budget. ``--dry-run`` runs the same code on CPU with
-tiny shapes and gloo (hiding any GPU), and writes the same JSON keys (a default-suite test runs
-it, so the rehearsal cannot rot).
+tiny shapes and gloo (hiding any GPU), and writes the same JSON keys (default-suite tests run
+it, so the rehearsal cannot rot; its ``tiny`` check in the slow suite).
 
 The checks (``--only`` / ``--skip`` choose; ``tiny`` and ``recipe`` matter most). They run in the
 order tiny, recipe, publish, torch_engine, ewma: the GPU runs in their own processes first, while

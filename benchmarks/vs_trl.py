@@ -390,6 +390,8 @@ def minippo_overrides(
         "ppo.max_grad_norm=1.0",
         "kl.coef=0.0",
         f"optimizer.lr={w.lr}",
+        "optimizer.betas=[0.9,0.99]",  # TRL's adam_beta2 below (tiny_cpu itself uses 0.95)
+        "ppo.max_update_kl=null",  # TRL has no update bound (tiny_cpu bounds each actor step)
         "lr_scheduler.min_lr_ratio=0.1",
         "lr_scheduler.warmup_steps=0",  # as TRL's run (tiny_cpu itself warms up)
         f"rollout.groups_per_batch={w.groups}",

@@ -177,7 +177,8 @@ def overrides(cell: Cell, seed: int, steps: int, extra: list[str], config: str) 
         f"seed={seed}",
         f"total_steps={steps}",
         f"rollout.max_staleness={cell.staleness}",
-        "lr_scheduler.warmup_steps=0",  # the schedule the study's figures were measured with
+        "lr_scheduler.warmup_steps=0",  # the schedule the study's figures were measured with:
+        f"lr_scheduler.total_steps={steps}",  # no warm-up, the cosine over the whole run
         *MEASURED_WITH.get(config, []),
         *METHODS[cell.method],
         *DISCREPANCY[cell.discrepancy],

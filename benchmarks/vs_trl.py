@@ -393,6 +393,7 @@ def minippo_overrides(
         "optimizer.betas=[0.9,0.99]",  # TRL's adam_beta2 below (tiny_cpu itself uses 0.95)
         "ppo.max_update_kl=null",  # TRL has no update bound (tiny_cpu bounds each actor step)
         "lr_scheduler.min_lr_ratio=0.1",
+        f"lr_scheduler.total_steps={w.steps}",  # TRL's cosine spans the run (tiny_cpu's ends at 40)
         "lr_scheduler.warmup_steps=0",  # as TRL's run (tiny_cpu itself warms up)
         f"rollout.groups_per_batch={w.groups}",
         f"rollout.samples_per_prompt={w.samples}",

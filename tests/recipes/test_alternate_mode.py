@@ -89,9 +89,8 @@ def test_partial_rollouts_span_versions_with_exact_keep_old_actor_anchors(tmp_pa
 # steps) stays below 0.9 in a 20-seed sweep of the shipped settings (benchmarks/learning_sweep.py,
 # 2-core AMD EPYC, torch 2.13.0; docs/learning.md): 0 of 20 (lowest 0.997; at lr 3e-3 0.998,
 # and without the update bound 1 of 20, seed 8: 0.777, a late collapse; with 4 samples per
-# prompt 4 of 96). Its rate
-# before the fix was not measured, so the count catches a run that has stopped learning
-# (tests/recipes/seeds.py).
+# prompt 4 of 96). Its rate before the fix was not measured, so the count catches a run that has
+# stopped learning (tests/recipes/seeds.py).
 ALTERNATE_SEEDS = SeedCount(seeds=range(10), at_least=7, bar=0.9, bad=(9, 10), good=(0, 20))
 
 

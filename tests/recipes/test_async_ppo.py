@@ -512,9 +512,8 @@ def test_output_dir_belongs_to_one_run(tmp_path):
 
 # tiny_cpu with rollout.sync_every=3: seeds whose final reward stays below 0.9 in a 20-seed sweep
 # (benchmarks/learning_sweep.py, 2-core AMD EPYC, torch 2.13.0): 0 of 20 (lowest 0.973; 0.979 at
-# lr 3e-3). Its
-# rate before the fix was not measured, so the count catches a run that has stopped learning
-# (tests/recipes/seeds.py).
+# lr 3e-3). Its rate before the fix was not measured, so the count catches a run that has
+# stopped learning (tests/recipes/seeds.py).
 SYNC_EVERY_3_SEEDS = SeedCount(seeds=range(10), at_least=8, bar=0.9, bad=(9, 10), good=(0, 20))
 
 
